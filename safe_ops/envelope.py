@@ -1,0 +1,289 @@
+"""Kernel envelopes: what each attention kernel can index, as data.
+
+An :class:`Envelope` lists the integer products a kernel family computes when it
+turns (batch, head, token) indices into element offsets, for every tensor it
+reads or writes -- the caller's q/k/v and the temporaries and output it
+allocates itself -- and the integer type each product is computed in. A call is
+inside the envelope when every product fits its type, and the shape rules
+(head dims, dtypes, masks, padding) hold.
+
+Triton specialises an integer argument to i64 when its value does not fit in
+i32; ``tl.program_id`` and ``tl.arange`` are i32. A product ``index * stride``
+is therefore computed in i32 when the stride fits in i32 and in i64 otherwise,
+unless the kernel casts the index to i64 first. Pointer additions are 64-bit,
+so each product term must fit on its own, not their sum: measured with
+sageattention 1.0.6 on an H200 (HAZARDS.md H-1: 99,865 vs 99,866 strided;
+305,040 vs 305,041 contiguous, 56 heads x 128).
+
+``check(call, envelope)`` returns :class:`Violation` records with the numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+I32_MAX = 2**31 - 1
+U32_MAX = 2**32 - 1
+I64_MAX = 2**63 - 1
+LIMITS = {"i32": I32_MAX, "u32": U32_MAX, "i64": I64_MAX}
+
+AXES = ("b", "h", "s", "d")
+_AXIS_INDEX = {"b": 0, "h": 1, "s": 2, "d": 3}
+
+
+# --------------------------------------------------------------------------- call
+@dataclass(frozen=True)
+class TensorDesc:
+    """A tensor as the kernel sees it, in canonical (b, h, s, d) order."""
+    shape: tuple[int, int, int, int]
+    stride: tuple[int, int, int, int]
+
+    @staticmethod
+    def contiguous(shape: tuple[int, int, int, int], layout: str) -> "TensorDesc":
+        """Strides of ``torch.empty(shape_in_layout)`` seen in (b, h, s, d) order."""
+        b, h, s, d = shape
+        if layout == "HND":
+            return TensorDesc(shape, (h * s * d, s * d, d, 1))
+        if layout == "NHD":
+            return TensorDesc(shape, (s * h * d, d, h * d, 1))
+        raise ValueError(f"unknown layout {layout!r}")
+
+    def is_layout_contiguous(self, layout: str) -> bool:
+        return self.stride == TensorDesc.contiguous(self.shape, layout).stride or self.numel == 0
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for x in self.shape:
+            n *= x
+        return n
+
+
+@dataclass(frozen=True)
+class AttnCall:
+    """One attention call, reduced to what envelopes and plans depend on.
+
+    q/k/v are described in canonical (b, h, s, d) order whatever the caller's
+    layout; ``layout`` is the layout the kernel is asked to use, which decides
+    the strides of the tensors the kernel allocates itself.
+    """
+    q: TensorDesc
+    k: TensorDesc
+    v: TensorDesc
+    dtype: str                      # "float16" | "bfloat16" | "float32" | ...
+    layout: str = "HND"             # kernel tensor_layout
+    has_mask: bool = False
+    device: str = "cuda"            # "cuda" | "cpu" | ...
+    arch: str = ""                  # e.g. "sm_90"
+    elt_bytes: int = 2
+
+    @property
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def heads(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def q_len(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[3]
+
+    def derived(self, role: str) -> TensorDesc:
+        """Caller tensors by name, or a kernel-allocated tensor (contiguous in ``layout``)."""
+        if role in ("q", "k", "v"):
+            return getattr(self, role)
+        base, _, how = role.partition(":")
+        src = getattr(self, base)
+        if how == "alloc":              # torch.empty(x.shape) in the kernel's layout
+            return TensorDesc.contiguous(src.shape, self.layout)
+        if how == "alloc_hnd":          # always HND-contiguous temporaries
+            return TensorDesc.contiguous(src.shape, "HND")
+        raise KeyError(role)
+
+
+# ----------------------------------------------------------------------- envelope
+@dataclass(frozen=True)
+class IndexTerm:
+    """``index(axis) * stride(axis)`` of ``tensor`` computed by ``kernel``.
+
+    ``itype`` is the integer type of the product when the stride fits in i32
+    (the Triton default); ``cast_i64`` marks kernels that cast the index to
+    i64 first. ``cite`` names the source line the term comes from.
+    """
+    kernel: str
+    tensor: str        # "q", "k", "v", or "q:alloc" etc. (see AttnCall.derived)
+    axis: str          # "b" | "h" | "s"
+    itype: str         # "i32" | "u32" | "i64"
+    cite: str
+    extent: str = ""   # which length bounds the index: default the tensor's own axis size
+
+
+@dataclass(frozen=True)
+class Violation:
+    kernel: str
+    rule: str          # "index" | "head_dim" | "dtype" | "mask" | "layout" | "padding" | "length" | "device"
+    detail: str
+    tensor: str = ""
+    axis: str = ""
+    value: int = 0
+    limit: int = 0
+    cite: str = ""
+
+    def __str__(self) -> str:
+        if self.rule == "index":
+            return (f"{self.kernel}: {self.tensor}.{self.axis} offset {self.value:,} > {self.limit:,} "
+                    f"({self.detail}) [{self.cite}]")
+        return f"{self.kernel}: {self.rule}: {self.detail}" + (f" [{self.cite}]" if self.cite else "")
+
+
+@dataclass(frozen=True)
+class Envelope:
+    family: str
+    source: str                                  # package/version the entries were read from
+    head_dims: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    supports_mask: bool
+    terms: tuple[IndexTerm, ...]
+    launches_on_legacy_stream: bool = False      # CUDA <<<>>> on stream 0 (sage 2.x C++)
+    devices: tuple[str, ...] = ("cuda",)
+    last_dim_contiguous: bool = True             # kernel asserts stride(-1) == 1
+    extra_rules: tuple[Callable[["AttnCall"], list[Violation]], ...] = field(default=(), compare=False)
+    temp_bytes: Callable[["AttnCall"], int] | None = field(default=None, compare=False)
+    note: str = ""
+
+
+def term_value(call: AttnCall, term: IndexTerm) -> tuple[int, str]:
+    """Largest product the kernel computes for ``term`` and its effective int type."""
+    t = call.derived(term.tensor)
+    ax = _AXIS_INDEX[term.axis]
+    extent = t.shape[ax]
+    if extent <= 0:
+        return 0, term.itype
+    stride = t.stride[ax]
+    itype = term.itype
+    if itype == "i32" and stride > I32_MAX:
+        itype = "i64"    # Triton passes a stride >= 2**31 as i64, the product is i64
+    return (extent - 1) * stride, itype
+
+
+def check(call: AttnCall, env: Envelope) -> list[Violation]:
+    """Every way ``call`` leaves ``env``; empty list = safe to launch."""
+    out: list[Violation] = []
+    if call.device not in env.devices:
+        out.append(Violation(env.family, "device", f"tensors on {call.device}, kernel runs on {env.devices}"))
+    if call.head_dim not in env.head_dims:
+        out.append(Violation(env.family, "head_dim", f"head_dim {call.head_dim} not in {env.head_dims}"))
+    if call.dtype not in env.dtypes:
+        out.append(Violation(env.family, "dtype", f"dtype {call.dtype} not in {env.dtypes}"))
+    if call.has_mask and not env.supports_mask:
+        out.append(Violation(env.family, "mask", "attention mask not supported"))
+    if call.heads % max(call.kv_heads, 1) != 0:
+        out.append(Violation(env.family, "layout", f"q heads {call.heads} not a multiple of kv heads {call.kv_heads}"))
+    for tname in ("q", "k", "v") if env.last_dim_contiguous else ():
+        if call.derived(tname).stride[3] != 1 and call.derived(tname).shape[3] > 1:
+            out.append(Violation(env.family, "layout", f"{tname} last dim not contiguous"))
+    for term in env.terms:
+        value, itype = term_value(call, term)
+        limit = LIMITS[itype]
+        if value > limit:
+            t = call.derived(term.tensor)
+            ax = _AXIS_INDEX[term.axis]
+            out.append(Violation(
+                env.family, "index",
+                f"{term.kernel}: ({t.shape[ax]:,}-1) x stride {t.stride[ax]:,} in {itype}",
+                tensor=term.tensor, axis=term.axis, value=value, limit=limit, cite=term.cite))
+    for rule in env.extra_rules:
+        out.extend(rule(call))
+    return out
+
+
+def max_len_for_term(term: IndexTerm, stride: int) -> int:
+    """Largest extent whose last index times ``stride`` fits ``term``'s type."""
+    itype = term.itype if not (term.itype == "i32" and stride > I32_MAX) else "i64"
+    return LIMITS[itype] // max(stride, 1) + 1
+
+
+# ------------------------------------------------------------------- the families
+_Q1 = "sageattention-1.0.6"
+
+
+def _sage1_temp_bytes(call: AttnCall) -> int:
+    b, h, sq, d = call.q.shape
+    _, hk, sk, _ = call.k.shape
+    n = b * h * sq * d + b * hk * sk * d          # q_int8, k_int8 (1 byte)
+    n += 4 * (b * h * (-(-sq // 128)) + b * hk * (-(-sk // 64)))   # fp32 scales
+    if call.dtype != "float16":
+        n += 2 * b * hk * sk * d                  # v.to(float16)
+    n += call.elt_bytes * b * h * sq * d          # output
+    return n
+
+
+SAGE1_TRITON = Envelope(
+    family="sage1_triton",
+    source=_Q1,
+    head_dims=(64, 96, 128),                     # core.py:85-86 assert headdim in [64, 96, 128]
+    dtypes=("float16", "bfloat16", "float32"),   # core.py:79
+    supports_mask=False,                         # sageattn(**kwargs) ignores attn_mask silently
+    terms=(
+        # quant_per_block.py:12-20 (hd96: quant_per_block_hd96.py:13-21): off_b/off_h are
+        # tl.program_id (i32), offs_n = off_blk*BLK + arange (i32); each multiplied by an i32 stride.
+        IndexTerm("quant_per_block", "q", "b", "i32", "quant_per_block.py:19"),
+        IndexTerm("quant_per_block", "q", "h", "i32", "quant_per_block.py:19"),
+        IndexTerm("quant_per_block", "q", "s", "i32", "quant_per_block.py:19"),
+        IndexTerm("quant_per_block", "k", "b", "i32", "quant_per_block.py:19"),
+        IndexTerm("quant_per_block", "k", "h", "i32", "quant_per_block.py:19"),
+        IndexTerm("quant_per_block", "k", "s", "i32", "quant_per_block.py:19"),
+        # output q_int8/k_int8 = torch.empty(x.shape) (quant_per_block.py:34-35), same arithmetic
+        IndexTerm("quant_per_block", "q:alloc", "b", "i32", "quant_per_block.py:20"),
+        IndexTerm("quant_per_block", "q:alloc", "h", "i32", "quant_per_block.py:20"),
+        IndexTerm("quant_per_block", "q:alloc", "s", "i32", "quant_per_block.py:20"),
+        IndexTerm("quant_per_block", "k:alloc", "b", "i32", "quant_per_block.py:20"),
+        IndexTerm("quant_per_block", "k:alloc", "h", "i32", "quant_per_block.py:20"),
+        IndexTerm("quant_per_block", "k:alloc", "s", "i32", "quant_per_block.py:20"),
+        # attn_qk_int8_per_block.py:53-54 casts off_z/off_h to i64 (b/h terms safe); the
+        # token term offs_m*stride_qn (i32) remains for q_int8 (:62) and the output o (:67,
+        # o = torch.empty(q.shape) :88). K/V advance by pointer increments (:34-36, 64-bit).
+        IndexTerm("attn_qk_int8_per_block", "q:alloc", "s", "i32", "attn_qk_int8_per_block.py:62"),
+        IndexTerm("attn_qk_int8_per_block", "q:alloc", "b", "i64", "attn_qk_int8_per_block.py:53"),
+        IndexTerm("attn_qk_int8_per_block", "q:alloc", "h", "i64", "attn_qk_int8_per_block.py:54"),
+        IndexTerm("attn_qk_int8_per_block", "v", "b", "i64", "attn_qk_int8_per_block.py:66"),
+        IndexTerm("attn_qk_int8_per_block", "v", "h", "i64", "attn_qk_int8_per_block.py:66"),
+    ),
+    temp_bytes=_sage1_temp_bytes,
+    note="Triton kernels launch on torch's current stream.",
+)
+# The output o is allocated like q (attn_qk_int8_per_block.py:88) so its token term equals
+# q:alloc's above; it is not listed twice.
+
+
+def sdpa_envelope() -> Envelope:
+    """PyTorch SDPA indexes in int64 and takes any layout, dtype or mask."""
+    return Envelope(
+        family="sdpa", source="torch", head_dims=tuple(range(1, 1025)),
+        dtypes=("float16", "bfloat16", "float32", "float64"), supports_mask=True, terms=(),
+        devices=("cuda", "cpu", "mps", "xpu"), last_dim_contiguous=False,
+    )
+
+
+SDPA = sdpa_envelope()
+
+# Filled by the sage-2.x module (envelope_sage2) when imported; keyed by family name.
+FAMILIES: dict[str, Envelope] = {SAGE1_TRITON.family: SAGE1_TRITON, SDPA.family: SDPA}
+
+
+def register(env: Envelope) -> Envelope:
+    FAMILIES[env.family] = env
+    return env
