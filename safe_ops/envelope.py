@@ -25,7 +25,8 @@ from typing import Callable
 I32_MAX = 2**31 - 1
 U32_MAX = 2**32 - 1
 I64_MAX = 2**63 - 1
-LIMITS = {"i32": I32_MAX, "u32": U32_MAX, "i64": I64_MAX}
+# i16/u16 exist so tests can drive the same mechanism at CPU-sized shapes.
+LIMITS = {"i16": 2**15 - 1, "u16": 2**16 - 1, "i32": I32_MAX, "u32": U32_MAX, "i64": I64_MAX}
 
 AXES = ("b", "h", "s", "d")
 _AXIS_INDEX = {"b": 0, "h": 1, "s": 2, "d": 3}
@@ -174,7 +175,7 @@ def term_value(call: AttnCall, term: IndexTerm) -> tuple[int, str]:
         return 0, term.itype
     stride = t.stride[ax]
     itype = term.itype
-    if itype == "i32" and stride > I32_MAX:
+    if itype in ("i16", "i32") and stride > LIMITS[itype]:
         itype = "i64"    # Triton passes a stride >= 2**31 as i64, the product is i64
     return (extent - 1) * stride, itype
 
@@ -212,7 +213,7 @@ def check(call: AttnCall, env: Envelope) -> list[Violation]:
 
 def max_len_for_term(term: IndexTerm, stride: int) -> int:
     """Largest extent whose last index times ``stride`` fits ``term``'s type."""
-    itype = term.itype if not (term.itype == "i32" and stride > I32_MAX) else "i64"
+    itype = term.itype if not (term.itype in ("i16", "i32") and stride > LIMITS[term.itype]) else "i64"
     return LIMITS[itype] // max(stride, 1) + 1
 
 

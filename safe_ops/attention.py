@@ -1,0 +1,342 @@
+"""The ``optimized_attention_override`` callable: normalise → plan → run → fence → verify → count.
+
+ComfyUI calls ``transformer_options["optimized_attention_override"](func, q, k, v,
+heads, mask=None, attn_precision=None, skip_reshape=False,
+skip_output_reshape=False, **kwargs)`` for every attention call (``wrap_attn``
+in ``comfy/ldm/modules/attention.py``); ``func`` is the attention function
+ComfyUI would have run. :class:`SafeAttention` replaces that call with one
+whose every launch is inside the envelope of the kernel that executes it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from . import report
+from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
+from .fences import GLOBAL_FENCES, FenceBook, StreamHop
+from .planner import Choice, Plan, choose, sdpa_plan
+from .policy import Policy
+from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
+from .runtime import Runtime, measured_order, runtime
+
+log = logging.getLogger("SafeSage")
+
+# Fraction of currently free device memory a plan may use for its own copies.
+FREE_MEMORY_FRACTION = 0.5
+
+KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"], torch.Tensor]
+
+
+@dataclass
+class Kernel:
+    """An executable kernel family: its envelope and ``fn(q, k, v, layout, scale) -> out``.
+
+    ``fn`` receives tensors in ``layout`` order (HND ``[B,H,S,D]`` or NHD
+    ``[B,S,H,D]``) and returns the output in the same layout.
+    """
+    envelope: Envelope
+    fn: KernelFn
+    tolerance: float = DEFAULT_TOLERANCE
+
+    @property
+    def family(self) -> str:
+        return self.envelope.family
+
+
+def _sdpa_fn(q, k, v, layout, scale, mask=None):
+    if layout == "NHD":
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    kw = {} if scale is None else {"scale": scale}
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+    return out.transpose(1, 2) if layout == "NHD" else out
+
+
+SDPA_KERNEL = Kernel(SDPA, _sdpa_fn, TOLERANCE["sdpa"])
+
+
+def sage_kernel(rt: Runtime) -> Kernel | None:
+    """The installed sageattention as a Kernel, or None (reason in ``rt.sage_error``)."""
+    if rt.sage_family is None or rt.sage_family not in FAMILIES:
+        return None
+    from sageattention import sageattn
+
+    def fn(q, k, v, layout, scale):
+        return sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=False)
+
+    return Kernel(FAMILIES[rt.sage_family], fn, TOLERANCE.get(rt.sage_family, DEFAULT_TOLERANCE))
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _desc(t: torch.Tensor) -> TensorDesc:
+    return TensorDesc(tuple(t.shape), tuple(t.stride()))
+
+
+@dataclass
+class Normalised:
+    q: torch.Tensor          # HND views [B, H, Sq, D]
+    k: torch.Tensor
+    v: torch.Tensor
+    heads: int
+    mask: torch.Tensor | None
+    scale: float | None
+    caller_layout: str       # the layout ComfyUI's own sage path would use
+    skip_output_reshape: bool
+
+    def finish(self, out_hnd: torch.Tensor) -> torch.Tensor:
+        """Shape the [B,H,Sq,D] result the way ComfyUI's attention functions return it."""
+        if self.skip_output_reshape:
+            return out_hnd
+        b, h, s, d = out_hnd.shape
+        return out_hnd.transpose(1, 2).reshape(b, s, h * d)
+
+
+class UnsupportedCall(ValueError):
+    """An attention call SafeSage cannot read; it is passed to ComfyUI's own function."""
+
+
+def normalise(args: tuple, kwargs: dict) -> Normalised:
+    names = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+    a = dict(zip(names, args))
+    for n in names:
+        if n in kwargs:
+            a[n] = kwargs[n]
+    q, k, v, heads = a.get("q"), a.get("k"), a.get("v"), a.get("heads")
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise UnsupportedCall("q, k and v must be tensors")
+    if not isinstance(heads, int) or heads < 1:
+        raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
+    if q.device != k.device or q.device != v.device:
+        raise UnsupportedCall("q, k and v are on different devices")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise UnsupportedCall(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    skip_reshape = bool(a.get("skip_reshape", False))
+    if skip_reshape:
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+            raise UnsupportedCall(f"skip_reshape expects 4-d [B,H,S,D] tensors, got ranks {q.ndim}/{k.ndim}/{v.ndim}")
+        qh, kh, vh = q, k, v
+        layout = "HND"
+    else:
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+            raise UnsupportedCall(f"expects 3-d [B,S,H*D] tensors, got ranks {q.ndim}/{k.ndim}/{v.ndim}")
+        if q.shape[-1] % heads:
+            raise UnsupportedCall(f"q width {q.shape[-1]} not divisible by heads {heads}")
+        d = q.shape[-1] // heads
+        if k.shape[-1] % d or v.shape[-1] != k.shape[-1]:
+            raise UnsupportedCall(f"k/v widths {k.shape[-1]}/{v.shape[-1]} do not fit head_dim {d}")
+        qh = q.unflatten(-1, (heads, d)).transpose(1, 2)
+        kh = k.unflatten(-1, (k.shape[-1] // d, d)).transpose(1, 2)
+        vh = v.unflatten(-1, (v.shape[-1] // d, d)).transpose(1, 2)
+        layout = "NHD"
+    if qh.shape[0] != kh.shape[0] or kh.shape[:3] != vh.shape[:3] or qh.shape[3] != kh.shape[3]:
+        raise UnsupportedCall(f"mismatched shapes q{tuple(qh.shape)} k{tuple(kh.shape)} v{tuple(vh.shape)}")
+    if kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
+        raise UnsupportedCall(f"q heads {qh.shape[1]} not a multiple of kv heads {kh.shape[1]}")
+    mask = a.get("mask")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise UnsupportedCall("mask must be a tensor")
+        if mask.ndim == 2:
+            mask = mask.unsqueeze(0)
+        if mask.ndim == 3:
+            mask = mask.unsqueeze(1)
+    scale = kwargs.get("scale")
+    return Normalised(qh, kh, vh, qh.shape[1], mask, scale, layout, bool(a.get("skip_output_reshape", False)))
+
+
+class SafeAttention:
+    """Callable installed as ``transformer_options["optimized_attention_override"]``."""
+
+    def __init__(self, policy: Policy = Policy(), kernels: list[Kernel] | None = None,
+                 fences: FenceBook = GLOBAL_FENCES, verifier: Verifier | None = None,
+                 rt: Runtime | None = None):
+        self.policy = policy
+        self.rt = rt or runtime()
+        self.fences = fences
+        self.verifier = verifier or Verifier(policy.verify)
+        if kernels is None:
+            sk = sage_kernel(self.rt)
+            kernels = [sk] if sk is not None else []
+        self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
+        self.kernels.setdefault("sdpa", SDPA_KERNEL)
+        self._choices: dict[tuple, Choice] = {}
+
+    # ---------------------------------------------------------------- choice
+    def candidates(self, func: Callable | None) -> list[str]:
+        """Kernel families in preference order for this policy (sdpa always last resort)."""
+        sage = [f for f in self.kernels if f != "sdpa"]
+        if self.policy.kernel == "sdpa":
+            return ["sdpa"]
+        if self.policy.kernel == "sage":
+            return sage + ["sdpa"]
+        order = measured_order(self.rt.arch_name, sage + ["sdpa"])
+        if order is not None:
+            return order if "sdpa" in order else order + ["sdpa"]
+        # Unmeasured GPU: follow what ComfyUI was configured to run.
+        comfy_wants_sage = func is not None and "sage" in getattr(func, "__name__", "")
+        return (sage + ["sdpa"]) if comfy_wants_sage else ["sdpa"] + sage
+
+    def _budget(self, device: torch.device) -> int | None:
+        if self.policy.max_extra_bytes is not None:
+            return self.policy.max_extra_bytes
+        if device.type == "cuda":
+            try:
+                free, _ = torch.cuda.mem_get_info(device)
+                return int(free * FREE_MEMORY_FRACTION)
+            except Exception:
+                return None
+        return None
+
+    def choice_for(self, call: AttnCall, cand: tuple[str, ...], device: torch.device) -> Choice:
+        key = (call, cand)
+        ch = self._choices.get(key)
+        if ch is None:
+            envs = [self.kernels[f].envelope for f in cand]
+            ch = choose(call, envs, self._budget(device))
+            self._choices[key] = ch
+        return ch
+
+    # --------------------------------------------------------------- calling
+    def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
+        report.count("attention_calls")
+        try:
+            n = normalise(args, kwargs)
+        except UnsupportedCall as e:
+            report.fallback(f"unsupported call passed to ComfyUI's {getattr(func, '__name__', 'attention')}: {e}")
+            return func(*args, **kwargs)
+        return n.finish(self.attend(n, func))
+
+    def attend(self, n: Normalised, func: Callable | None = None) -> torch.Tensor:
+        q, k, v = n.q, n.k, n.v
+        if q.shape[2] == 0:
+            report.count("plan:empty")
+            return q.new_empty(q.shape)
+        call = AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
+                        n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
+        cand = [f for f in self.candidates(func) if f in self.kernels]
+        ckey = None
+        # drop families that failed verification for this class of call
+        for f in list(cand):
+            if f != "sdpa":
+                k_ = class_key(f, call.dtype, call.head_dim, call.layout, call.heads, call.kv_heads,
+                               call.q_len, call.kv_len)
+                if self.verifier.known_bad(k_):
+                    cand.remove(f)
+        choice = self.choice_for(call, tuple(cand), q.device)
+        plan = choice.plan
+        shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
+        report.count(f"plan:{plan.kind}")
+        if plan.kind == "sdpa" and plan.reasons:
+            report.fallback("; ".join(plan.reasons), shape_key)
+        elif plan.kind != "direct":
+            report.once(("plan", shape_key, plan.kind), logging.INFO,
+                        "SafeSage: %s -> %s", shape_key, plan.describe())
+        report.remember_plan(shape_key, plan.describe())
+
+        out = self.run_plan(plan, n)
+
+        if plan.kernel != "sdpa":
+            ckey = class_key(plan.kernel, call.dtype, call.head_dim, plan.layout, call.heads,
+                             call.kv_heads, call.q_len, call.kv_len)
+            if self.verifier.needs_probe(ckey):
+                kern = self.kernels[plan.kernel]
+                verdict = compare(out, q, k, v, n.scale, kern.tolerance)
+                self.verifier.record(ckey, verdict)
+                report.count("probes")
+                if not verdict.ok:
+                    report.count("probe_failures")
+                    report.once(("probe", ckey), logging.ERROR,
+                                "SafeSage: kernel %s FAILED verification for %s (%s); recomputing with "
+                                "PyTorch SDPA and not using it again for this class of call in this process.",
+                                plan.kernel, shape_key, verdict.detail)
+                    report.fallback(f"{plan.kernel} failed verification ({verdict.detail})", shape_key)
+                    out = self.run_plan(sdpa_plan(call, (f"{plan.kernel} failed verification",)), n)
+        return out
+
+    # --------------------------------------------------------------- running
+    def run_plan(self, plan: Plan, n: Normalised) -> torch.Tensor:
+        """Execute ``plan``; returns the result as an HND [B,H,Sq,D] tensor (maybe a view).
+
+        Same stream (Triton sage, SDPA): the caching allocator already orders the
+        reuse of every temporary after the kernels enqueued on that stream, so a
+        copy is freed as soon as the next one is made and peak memory stays at
+        one launch's worth. Kernels on the legacy default stream (sage 2.x CUDA):
+        the call hops there behind an event, every tensor a launch touched is
+        fenced right after that launch, and the caller's stream waits for the
+        result with another event -- no host synchronisation either way.
+        """
+        kern = self.kernels[plan.kernel]
+        q, k, v = n.q, n.k, n.v
+        dev = q.device
+        hop = None
+        if kern.envelope.launches_on_legacy_stream and dev.type == "cuda":
+            cur = torch.cuda.current_stream(dev)
+            legacy = torch.cuda.default_stream(dev)
+            if cur != legacy:
+                hop = StreamHop(cur, legacy)
+        if hop is None:
+            out = self._launch_all(plan, kern, n, None)
+        else:
+            report.count("stream_hops")
+            hop.enter()
+            with torch.cuda.stream(hop.target):
+                out = self._launch_all(plan, kern, n,
+                                       lambda ts: self.fences.hold(ts, stream=hop.target, label=plan.kernel))
+            hop.exit()
+            # `out` was allocated on the legacy stream and is consumed on the caller's:
+            # tell the allocator, so its memory is not reused before the caller is done.
+            out.record_stream(hop.origin)
+        if self.policy.debug_sync and dev.type == "cuda":
+            try:
+                torch.cuda.synchronize(dev)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"SafeSage debug_sync: CUDA error right after {plan.describe()} "
+                    f"for q{tuple(q.shape)} k{tuple(k.shape)}: {e}") from e
+        return out
+
+    def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised,
+                    fence: Callable[[list], Any] | None) -> torch.Tensor:
+        q, k, v = n.q, n.k, n.v
+        if plan.kind == "sdpa":
+            return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
+        B, H, Sq, D = q.shape
+        g = plan.head_group or H
+        qc = plan.q_chunk or Sq
+        ratio = H // k.shape[1]
+
+        def prep(t: torch.Tensor, name: str) -> torch.Tensor:
+            return t.contiguous() if name in plan.repack else t
+
+        def launch(qs, ks, vs) -> torch.Tensor:
+            if plan.layout == "NHD":
+                o = kern.fn(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), "NHD", n.scale).transpose(1, 2)
+            else:
+                o = kern.fn(qs, ks, vs, "HND", n.scale)
+            if fence is not None:
+                fence([qs, ks, vs, o])
+            return o
+
+        if g >= H and qc >= Sq:
+            return launch(prep(q, "q"), prep(k, "k"), prep(v, "v"))
+
+        out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+        for h0 in range(0, H, g):
+            h1 = min(h0 + g, H)
+            ks = prep(k[:, h0 // ratio:h1 // ratio], "k")
+            vs = prep(v[:, h0 // ratio:h1 // ratio], "v")
+            for s0 in range(0, Sq, qc):
+                s1 = min(s0 + qc, Sq)
+                out[:, h0:h1, s0:s1].copy_(launch(prep(q[:, h0:h1, s0:s1], "q"), ks, vs))
+            del ks, vs
+        return out

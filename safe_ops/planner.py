@@ -1,0 +1,195 @@
+"""From a call to a Plan that is inside every envelope and inside the memory budget.
+
+A :class:`Plan` is printable data. Executing it is attention.py's job. The
+planner is a pure function of (call, envelope, budget): it enumerates the
+transformations that keep results identical to an in-envelope run --
+
+* ``direct``        launch as called;
+* ``repack``        copy some of q/k/v to contiguous HND first (small strides);
+* ``head_groups``   launch per group of heads (each group's tensors repacked or
+                    as views), writing into one preallocated output;
+* ``query_chunks``  launch per slice of query tokens (keys/values whole);
+
+checks each candidate's sub-calls against the envelope, drops those over the
+budget, and keeps the cheapest by a simple cost model (bytes moved plus a
+per-launch overhead). When none fits it returns ``None`` and the caller falls
+back to another kernel (SDPA last).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from .envelope import AttnCall, Envelope, TensorDesc, Violation, check
+
+# Cost model constants: bytes per microsecond an HBM copy moves (read + write
+# counted separately), and the fixed cost of one extra launch sequence.
+COPY_BYTES_PER_US = 2.0e6         # ~2 TB/s effective for strided copies
+LAUNCH_US = 25.0                  # sage launches 2-3 kernels per call
+MIN_Q_CHUNK = 1024                # below this, per-launch overhead dominates: prefer another plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str                      # direct | repack | head_groups | query_chunks | sdpa
+    kernel: str                    # envelope family that runs
+    layout: str                    # tensor_layout handed to the kernel
+    repack: tuple[str, ...] = ()   # which of q/k/v are copied to contiguous HND
+    head_group: int = 0            # heads per launch (0 = all)
+    q_chunk: int = 0               # query tokens per launch (0 = all)
+    launches: int = 1
+    extra_bytes: int = 0           # predicted peak bytes beyond a direct call
+    cost_us: float = 0.0           # predicted extra device time vs a direct call
+    reasons: tuple[str, ...] = ()  # why not direct (violations of the kernel that was asked)
+
+    def describe(self) -> str:
+        parts = [f"{self.kind} on {self.kernel} ({self.layout})"]
+        if self.repack:
+            parts.append("repack " + "/".join(self.repack) + " to contiguous HND")
+        if self.head_group:
+            parts.append(f"{self.head_group} heads per launch")
+        if self.q_chunk:
+            parts.append(f"{self.q_chunk:,} query tokens per launch")
+        parts.append(f"{self.launches} launch(es), +{self.extra_bytes / 2**20:.1f} MiB, ~+{self.cost_us:.0f} us")
+        s = ", ".join(parts)
+        if self.reasons:
+            s += "; because " + "; ".join(self.reasons)
+        return s
+
+    __str__ = describe
+
+
+def _sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], layout: str) -> AttnCall:
+    """The call one launch of a plan makes (worst-case group/chunk)."""
+    groups = max(call.heads // max(call.kv_heads, 1), 1)
+    kv_heads = max(heads // groups, 1)
+
+    def desc(name: str, h: int, s: int) -> TensorDesc:
+        src: TensorDesc = getattr(call, name)
+        shape = (src.shape[0], h, s, src.shape[3])
+        if name in repack:
+            return TensorDesc.contiguous(shape, "HND")
+        return TensorDesc(shape, src.stride)      # a view into the caller's tensor
+
+    return replace(call, q=desc("q", heads, q_len), k=desc("k", kv_heads, call.kv_len),
+                   v=desc("v", kv_heads, call.kv_len), layout=layout)
+
+
+def _nbytes(desc: TensorDesc, elt: int) -> int:
+    return desc.numel * elt
+
+
+def _candidates_g(call: AttnCall) -> list[int]:
+    """Head-group sizes to try: all heads, then every multiple of the GQA ratio, large first."""
+    ratio = max(call.heads // max(call.kv_heads, 1), 1)
+    return sorted({g for g in range(ratio, call.heads + 1, ratio) if call.heads % g == 0}, reverse=True)
+
+
+def _largest_fitting(lo: int, hi: int, ok) -> int:
+    """Largest n in [lo, hi] with ok(n) (ok monotone: true for small n); 0 if none."""
+    if hi < lo or not ok(lo):
+        return 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan_for(call: AttnCall, env: Envelope, budget_bytes: int | None = None,
+             caller_layout: str | None = None) -> Plan | None:
+    """Cheapest plan of ``env``'s kernel that is inside the envelope, or None."""
+    caller_layout = caller_layout or call.layout
+    direct = replace(call, layout=caller_layout)
+    viol = check(direct, env)
+    if not viol:
+        return Plan("direct", env.family, caller_layout)
+    # Shape/dtype/device/mask rules cannot be fixed by moving data around.
+    hard = [v for v in viol if v.rule not in ("index",)]
+    if hard:
+        return None
+    reasons = tuple(str(v) for v in viol)
+    elt = call.elt_bytes
+    budget = float("inf") if budget_bytes is None else budget_bytes
+    best: Plan | None = None
+
+    for r in range(0, 4):
+        for repack in itertools.combinations(("q", "k", "v"), r):
+            layout = "HND" if repack else caller_layout
+            for g in _candidates_g(call):
+                # largest query chunk that fits for this (repack, g)
+                def fits(qc: int, g=g, repack=repack, layout=layout) -> bool:
+                    return not check(_sub_call(call, g, qc, repack, layout), env)
+                qc_max = call.q_len if fits(call.q_len) else _largest_fitting(1, call.q_len, fits)
+                # try the largest fitting chunk first, then halve it while over budget
+                qc = qc_max
+                while qc > 0:
+                    plan = _priced(call, env, repack, layout, g, qc, elt, reasons)
+                    if plan.extra_bytes <= budget:
+                        if best is None or (plan.cost_us, plan.extra_bytes) < (best.cost_us, best.extra_bytes):
+                            best = plan
+                        break
+                    if qc <= MIN_Q_CHUNK:
+                        break
+                    qc = max(qc // 2, MIN_Q_CHUNK)
+    return best
+
+
+def _priced(call: AttnCall, env: Envelope, repack: tuple[str, ...], layout: str, g: int, qc: int,
+            elt: int, reasons: tuple[str, ...]) -> Plan:
+    """The plan launching ``g`` heads x ``qc`` query tokens at a time, with its bytes and cost."""
+    n_groups = -(-call.heads // g)
+    n_chunks = -(-call.q_len // qc)
+    launches = n_groups * n_chunks
+    split = launches > 1
+    # Repacked slices live one launch at a time (group x chunk for q, group for k/v);
+    # a split plan writes each launch's own output into one preallocated result,
+    # which takes the place of the kernel's output in a direct call.
+    sub = _sub_call(call, g, qc, repack, layout)
+    extra = sum(_nbytes(getattr(sub, n), elt) for n in repack)
+    if split:
+        extra += _nbytes(sub.q, elt)
+    copy_bytes = 0
+    for n in repack:                                       # each element copied once
+        copy_bytes += 2 * _nbytes(getattr(call, n), elt)
+    if split:
+        copy_bytes += 2 * _nbytes(call.q, elt)             # launch outputs into the result
+    copy_bytes += (n_chunks - 1) * 2 * _nbytes(call.k, elt)  # k re-quantised per query chunk
+    cost = copy_bytes / COPY_BYTES_PER_US + (launches - 1) * LAUNCH_US
+    kind = ("head_groups" if n_groups > 1 else "query_chunks" if n_chunks > 1
+            else "repack" if repack else "direct")
+    return Plan(kind, env.family, layout, tuple(repack), g if n_groups > 1 else 0,
+                qc if n_chunks > 1 else 0, launches, extra, cost, reasons)
+
+
+def sdpa_plan(call: AttnCall, reasons: tuple[str, ...] = ()) -> Plan:
+    return Plan("sdpa", "sdpa", "HND", reasons=reasons)
+
+
+@dataclass
+class Choice:
+    """The plan chosen across kernel candidates, with what was ruled out and why."""
+    plan: Plan
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+
+
+def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None = None) -> Choice:
+    """First kernel (in preference order) that has a plan; SDPA when none does."""
+    rejected: dict[str, list[str]] = {}
+    for env in envelopes:
+        if env.family == "sdpa":
+            break
+        plan = plan_for(call, env, budget_bytes)
+        if plan is not None:
+            return Choice(plan, rejected)
+        viol = check(call, env)
+        hard = [str(v) for v in viol if v.rule != "index"]
+        rejected[env.family] = hard or [f"no plan within {budget_bytes} extra bytes: " + "; ".join(map(str, viol))]
+    reasons = tuple(f"{k}: {'; '.join(v)}" for k, v in rejected.items())
+    return Choice(sdpa_plan(call, reasons), rejected)
+
+
+def violations_text(viol: list[Violation]) -> str:
+    return "; ".join(str(v) for v in viol)

@@ -1,0 +1,121 @@
+"""Trust but verify: check a cheap slice of a kernel's real output against SDPA.
+
+Envelopes stop kernels that fault; they cannot stop a kernel that silently
+computes garbage (HAZARDS.md H-6: sage 2.2.0 sm_90 built from source returns
+noise with no CUDA error; sm_120 FP8-PV turns to noise above ~154-160k tokens).
+
+The first time a kernel family runs a new *class* of call -- dtype, head dim,
+layout, GQA ratio, and a size class fine enough in sequence length to separate
+150k from 160k -- :class:`Verifier` recomputes a few hundred query rows of one
+or two heads against all keys with PyTorch SDPA in float32 and compares
+relative L2 error with the family's tolerance. NaN/Inf where the reference is
+finite is a failure. A failed class is never trusted again in this process.
+After the first call of a class the cost is one dict lookup.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import torch
+
+# Relative L2 error of each family on in-envelope random inputs, times a safety
+# margin (HAZARDS.md H-1/H-6, measured on an H200; see bench/results/).
+TOLERANCE = {
+    "sage1_triton": 0.05,       # measured ~0.013
+    "sage2_sm80": 0.05,
+    "sage2_sm89_fp8pv": 0.12,   # measured ~0.039-0.046
+    "sage2_sm90": 0.12,
+    "sdpa": 0.01,
+}
+DEFAULT_TOLERANCE = 0.12
+
+PROBE_ROWS = 256          # query rows checked per probed head
+SIZE_CLASS_TOKENS = 4096  # sequence-length bucket width (a cliff between 150k and 160k is caught)
+
+
+def size_class(n: int) -> int:
+    """Bucket of a sequence length, 4096 tokens wide (150k and 160k land in different classes)."""
+    return n // SIZE_CLASS_TOKENS
+
+
+def class_key(family: str, dtype: str, head_dim: int, layout: str, heads: int, kv_heads: int,
+              q_len: int, kv_len: int) -> tuple:
+    return (family, dtype, head_dim, layout, heads // max(kv_heads, 1), size_class(q_len), size_class(kv_len))
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    error: float
+    tolerance: float
+    detail: str = ""
+
+
+def probe_rows(q_len: int, n: int = PROBE_ROWS) -> torch.Tensor:
+    """Query rows spread over the whole sequence (first, last and evenly between)."""
+    if q_len <= n:
+        return torch.arange(q_len)
+    return torch.linspace(0, q_len - 1, n).round().long().unique()
+
+
+def compare(out_hnd: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            scale: float | None, tolerance: float, heads: tuple[int, ...] | None = None) -> Verdict:
+    """Compare ``out_hnd`` ([B,H,Sq,D]) on a slice with float32 SDPA of the same inputs (HND views)."""
+    B, H, Sq, D = q.shape
+    if Sq == 0 or k.shape[2] == 0:
+        return Verdict(True, 0.0, tolerance, "empty")
+    hk = k.shape[1]
+    ratio = max(H // max(hk, 1), 1)
+    heads = heads or tuple(sorted({0, H - 1}))
+    rows = probe_rows(Sq).to(q.device)
+    worst = 0.0
+    for h in heads:
+        qs = q[:1, h:h + 1].index_select(2, rows).float()
+        ks = k[:1, h // ratio:h // ratio + 1].float()
+        vs = v[:1, h // ratio:h // ratio + 1].float()
+        ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        got = out_hnd[:1, h:h + 1].index_select(2, rows).float()
+        ref_finite = bool(torch.isfinite(ref).all())
+        got_finite = bool(torch.isfinite(got).all())
+        if ref_finite and not got_finite:
+            return Verdict(False, math.inf, tolerance, f"non-finite output in head {h} where SDPA is finite")
+        denom = float(ref.norm())
+        err = float((got - ref).norm()) / max(denom, 1e-12)
+        worst = max(worst, err)
+    return Verdict(worst <= tolerance, worst, tolerance,
+                   f"rel. L2 {worst:.4f} vs tol {tolerance} on {len(rows)} rows x heads {list(heads)}")
+
+
+class Verifier:
+    """Per-process verdict cache keyed by call class."""
+
+    def __init__(self, mode: str = "first"):
+        self.mode = mode                 # "first" | "every" | "off"
+        self._verdicts: dict[tuple, Verdict] = {}
+        self._lock = threading.Lock()
+
+    def needs_probe(self, key: tuple) -> bool:
+        if self.mode == "off":
+            return False
+        if self.mode == "every":
+            return True
+        return key not in self._verdicts
+
+    def known_bad(self, key: tuple) -> Verdict | None:
+        v = self._verdicts.get(key)
+        return v if v is not None and not v.ok else None
+
+    def record(self, key: tuple, verdict: Verdict) -> None:
+        with self._lock:
+            prev = self._verdicts.get(key)
+            if prev is not None and not prev.ok:
+                return          # a failed class stays failed
+            self._verdicts[key] = verdict
+
+    def verdicts(self) -> dict:
+        return {"/".join(map(str, k)): (v.ok, round(v.error, 5)) for k, v in self._verdicts.items()}
+
+    def failed_families(self) -> set[str]:
+        return {k[0] for k, v in self._verdicts.items() if not v.ok}

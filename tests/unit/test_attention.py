@@ -1,0 +1,282 @@
+"""Plan execution numerics with a stand-in kernel that asserts its own envelope (CPU).
+
+The stand-in has sage 1.0.6's index arithmetic with 16-bit integers, so the
+same overflow boundaries appear at CPU-sized shapes. It refuses any launch
+outside its envelope -- a plan that would have overflowed fails the test.
+"""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from safe_ops import report
+from safe_ops.attention import Kernel, SafeAttention, normalise
+from safe_ops.envelope import SAGE1_TRITON, AttnCall, IndexTerm, TensorDesc, check
+from safe_ops.policy import Policy
+from safe_ops.probe import Verifier
+from safe_ops.runtime import Runtime
+
+CPU_RT = Runtime("test", None, None, None, None, None, "test", None, None, None)
+
+
+def toy_envelope(family="toy_sage", small_ints=True):
+    """sage 1.0.6's envelope on the CPU; with 16-bit index products when ``small_ints``."""
+    terms = tuple(dataclasses.replace(t, itype="i16" if t.itype == "i32" and small_ints else t.itype)
+                  for t in SAGE1_TRITON.terms)
+    return dataclasses.replace(SAGE1_TRITON, family=family, terms=terms, devices=("cpu",),
+                               head_dims=(16, 32, 64))
+
+
+def reference(q, k, v, scale=None):
+    """float64 attention on HND tensors."""
+    q, k, v = (t.double() for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:
+        r = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(r, 1), v.repeat_interleave(r, 1)
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    w = torch.softmax(q @ k.transpose(-1, -2) * s, dim=-1)
+    return w @ v
+
+
+class EnvelopeAssertingKernel:
+    """Stand-in for sageattn: checks the real strides of every launch, then computes attention."""
+
+    def __init__(self, env, corrupt=None):
+        self.env = env
+        self.launches = []
+        self.corrupt = corrupt
+
+    def __call__(self, q, k, v, layout, scale):
+        hnd = (lambda t: t.transpose(1, 2)) if layout == "NHD" else (lambda t: t)
+        qh, kh, vh = hnd(q), hnd(k), hnd(v)
+        call = AttnCall(TensorDesc(tuple(qh.shape), tuple(qh.stride())),
+                        TensorDesc(tuple(kh.shape), tuple(kh.stride())),
+                        TensorDesc(tuple(vh.shape), tuple(vh.stride())),
+                        str(q.dtype).replace("torch.", ""), layout, False, "cpu")
+        viol = check(call, self.env)
+        assert not viol, f"launch outside the envelope: {[str(x) for x in viol]}"
+        self.launches.append((tuple(qh.shape), layout))
+        out = reference(qh, kh, vh, scale).to(q.dtype)
+        if self.corrupt is not None:
+            out = self.corrupt(out)
+        out = out.contiguous() if layout == "HND" else out.transpose(1, 2).contiguous()
+        return out
+
+
+def make_attn(env=None, policy=Policy(kernel="sage", verify="off"), corrupt=None):
+    env = env or toy_envelope()
+    fn = EnvelopeAssertingKernel(env, corrupt)
+    att = SafeAttention(policy, kernels=[Kernel(env, fn, 0.05)], rt=CPU_RT)
+    return att, fn
+
+
+def h3_like(S, heads=4, d=16, dtype=torch.float32, seed=0):
+    """q/k/v as strided views of one [S, 3*heads*d] buffer, like MiniMax H3."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(S, 3 * heads * d, generator=g).to(dtype)
+    q, k, v = qkv.split(heads * d, dim=-1)
+    views = [t.view(S, heads, d).transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+    return views
+
+
+def raw(*a, **k):
+    raise AssertionError("ComfyUI's function must not be called for a supported call")
+
+
+@pytest.fixture(autouse=True)
+def _reset():
+    report.reset()
+    yield
+
+
+# -------------------------------------------------------------------- plans run
+@pytest.mark.parametrize("S,kind", [(100, "direct"), (171, "direct"), (172, "repack"), (700, "head_groups")])
+def test_strided_views_every_plan_matches_reference(S, kind):
+    att, kern = make_attn()
+    q, k, v = h3_like(S)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    ref = reference(q, k, v)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    assert report.STATS[f"plan:{kind}"] == 1
+    assert kern.launches, "kernel must have run"
+
+
+def test_head_group_boundary_is_exact():
+    # contiguous [1,4,S,16]: head term 3*S*16 must fit i16 -> S <= 682
+    att, kern = make_attn()
+    for S, kind in [(682, "direct"), (683, "head_groups")]:
+        q, k, v = (torch.randn(1, 4, S, 16) for _ in range(3))
+        out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+        assert report.STATS[f"plan:{kind}"] >= 1
+
+
+def test_comfy_call_forms_and_output_shapes():
+    att, _ = make_attn()
+    B, S, H, D = 2, 50, 4, 16
+    q, k, v = (torch.randn(B, S, H * D) for _ in range(3))
+    out = att(raw, q, k, v, H)                                   # [B,S,H*D] in, [B,S,H*D] out
+    qh, kh, vh = (t.view(B, S, H, D).transpose(1, 2) for t in (q, k, v))
+    ref = reference(qh, kh, vh)
+    torch.testing.assert_close(out.double(), ref.transpose(1, 2).reshape(B, S, H * D), rtol=1e-5, atol=1e-5)
+    out2 = att(raw, q, k, v, H, skip_output_reshape=True)         # [B,H,S,D] out
+    torch.testing.assert_close(out2.double(), ref, rtol=1e-5, atol=1e-5)
+    out3 = att(raw, qh, kh, vh, H, skip_reshape=True)              # HND in, [B,S,H*D] out
+    assert out3.shape == (B, S, H * D)
+
+
+def test_gqa_and_cross_attention_and_scale():
+    att, _ = make_attn()
+    q = torch.randn(1, 8, 40, 16)
+    k = torch.randn(1, 2, 70, 16)
+    v = torch.randn(1, 2, 70, 16)
+    out = att(raw, q, k, v, 8, skip_reshape=True, skip_output_reshape=True, scale=0.3)
+    torch.testing.assert_close(out.double(), reference(q, k, v, 0.3), rtol=1e-5, atol=1e-5)
+
+
+def test_mask_falls_back_to_sdpa_counted():
+    att, kern = make_attn()
+    q, k, v = (torch.randn(1, 4, 30, 16) for _ in range(3))
+    mask = torch.zeros(30, 30)
+    mask[:, 20:] = -math.inf
+    out = att(raw, q, k, v, 4, mask=mask, skip_reshape=True, skip_output_reshape=True)
+    w = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4 + mask.double(), -1)
+    torch.testing.assert_close(out.double(), w @ v.double(), rtol=1e-5, atol=1e-5)
+    assert not kern.launches
+    assert report.STATS["fallbacks"] == 1 and "mask" in next(iter(report.FALLBACKS))
+
+
+def test_unsupported_head_dim_and_dtype_fall_back():
+    att, kern = make_attn()
+    q, k, v = (torch.randn(1, 2, 30, 80) for _ in range(3))
+    out = att(raw, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    q, k, v = (torch.randn(1, 2, 30, 16, dtype=torch.float64) for _ in range(3))
+    att(raw, q, k, v, 2, skip_reshape=True)
+    assert not kern.launches and report.STATS["fallbacks"] == 2
+
+
+def test_sdpa_policy_never_launches_sage():
+    att, kern = make_attn(policy=Policy(kernel="sdpa", verify="off"))
+    q, k, v = h3_like(300)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert not kern.launches and report.STATS["fallbacks"] == 0
+
+
+# ------------------------------------------------------------------- bad inputs
+@pytest.mark.parametrize("args,kwargs,why", [
+    (("not a tensor", None, None, 4), {}, "tensors"),
+    ((torch.randn(2, 3), torch.randn(2, 3), torch.randn(2, 3), 1), {}, "3-d"),
+    ((torch.randn(1, 5, 64), torch.randn(1, 5, 64), torch.randn(1, 5, 64), 3), {}, "divisible"),
+    ((torch.randn(1, 4, 5, 16), torch.randn(1, 3, 5, 16), torch.randn(1, 3, 5, 16), 4), {"skip_reshape": True}, "multiple"),
+    ((torch.randn(1, 4, 5, 16), torch.randn(1, 4, 6, 16), torch.randn(1, 4, 5, 16), 4), {"skip_reshape": True}, "mismatched"),
+])
+def test_bad_inputs_are_passed_to_comfy_counted(args, kwargs, why):
+    att, kern = make_attn()
+    seen = []
+
+    def comfy_func(*a, **k):
+        seen.append(True)
+        return "comfy-result"
+
+    assert att(comfy_func, *args, **kwargs) == "comfy-result"
+    assert seen and not kern.launches
+    assert report.STATS["fallbacks"] == 1
+    assert why in next(iter(report.FALLBACKS))
+
+
+def test_zero_length_queries_and_keys():
+    att, kern = make_attn()
+    q = torch.randn(1, 4, 0, 16)
+    k = v = torch.randn(1, 4, 10, 16)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert out.shape == (1, 4, 0, 16)
+    q2 = torch.randn(1, 4, 5, 16)
+    k2 = v2 = torch.randn(1, 4, 0, 16)
+    out2 = att(raw, q2, k2, v2, 4, skip_reshape=True, skip_output_reshape=True)
+    assert out2.shape == (1, 4, 5, 16)   # softmax over nothing: whatever SDPA defines, no crash
+
+
+def test_nan_inputs_propagate_without_blaming_the_kernel():
+    att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
+    q, k, v = (torch.randn(1, 4, 64, 16) for _ in range(3))
+    q[0, 0, 3] = float("nan")
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert torch.isnan(out[0, 0, 3]).all() and torch.isfinite(out[0, 1]).all()
+    assert report.STATS["probe_failures"] == 0
+
+
+# ----------------------------------------------------------------- verification
+def corrupt_tail(out):
+    out = out.clone()
+    out[..., out.shape[2] // 2:, :] = 0
+    return out
+
+
+def test_probe_catches_broken_kernel_and_routes_away():
+    att, kern = make_attn(policy=Policy(kernel="sage", verify="first"), corrupt=corrupt_tail)
+    q, k, v = (torch.randn(1, 4, 128, 16) for _ in range(3))
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert report.STATS["probe_failures"] == 1 and len(kern.launches) == 1
+    # later calls of the same class skip the broken kernel without probing it again
+    att(raw, q, k, v, 4, skip_reshape=True)
+    assert len(kern.launches) == 1 and report.STATS["probes"] == 1
+
+
+def test_probe_size_threshold_and_dtype_classes():
+    """A kernel wrong only above a length: caught at the first call of that size class."""
+    threshold = 5000
+
+    def wrong_when_long(out):
+        return corrupt_tail(out) if out.shape[2] > threshold else out
+
+    att, kern = make_attn(env=toy_envelope(small_ints=False),
+                          policy=Policy(kernel="sage", verify="first"), corrupt=wrong_when_long)
+    for S in (1000, 1000, 2000, 6000, 6000):
+        q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+        out = att(raw, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-4, atol=1e-4)
+    assert report.STATS["probe_failures"] == 1
+    assert report.STATS["probes"] == 2          # one size class below 4096, one above
+    # launches: 1000, 1000, 2000 (trusted), 6000 (probed, failed) -> 4; second 6000 not launched
+    assert len(kern.launches) == 4
+
+
+def test_probe_every_call_mode_and_off():
+    att, kern = make_attn(policy=Policy(kernel="sage", verify="every"))
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    for _ in range(3):
+        att(raw, q, k, v, 2, skip_reshape=True)
+    assert report.STATS["probes"] == 3
+    report.reset()
+    att2, _ = make_attn(policy=Policy(kernel="sage", verify="off"), corrupt=corrupt_tail)
+    att2(raw, q, k, v, 2, skip_reshape=True)
+    assert report.STATS["probes"] == 0
+
+
+def test_plan_cache_is_per_shape():
+    att, _ = make_attn()
+    q, k, v = h3_like(300)
+    for _ in range(5):
+        att(raw, q, k, v, 4, skip_reshape=True)
+    assert len(att._choices) == 1 and report.STATS["plan:repack"] == 5
+    assert len(report.PLANS) == 1
+
+
+def test_normalise_rejects_and_accepts():
+    q = torch.randn(1, 10, 64)
+    n = normalise((q, q, q, 4), {})
+    assert n.q.shape == (1, 4, 10, 16) and n.caller_layout == "NHD"
+    assert n.q.data_ptr() == q.data_ptr()   # a view, no copy
+
+
+def test_verifier_failed_class_stays_failed():
+    from safe_ops.probe import Verdict
+    ver = Verifier("first")
+    key = ("x",)
+    ver.record(key, Verdict(False, 1.0, 0.1))
+    ver.record(key, Verdict(True, 0.0, 0.1))
+    assert ver.known_bad(key) is not None and ver.failed_families() == {"x"}

@@ -1,0 +1,176 @@
+"""Envelope and planner boundaries (pure data, no GPU)."""
+import dataclasses
+
+import pytest
+
+from safe_ops.envelope import (I32_MAX, SAGE1_TRITON, SDPA, AttnCall, TensorDesc, check,
+                               max_len_for_term)
+from safe_ops.planner import Plan, choose, plan_for
+
+H3_STRIDE = 3 * 56 * 128   # 21,504: the qkv_proj row of MiniMax H3
+
+
+def h3_view(S, heads=56, d=128, b=1):
+    """H3's strided q/k/v views: [b, heads, S, d] into a [S, 3*heads*d] buffer."""
+    return TensorDesc((b, heads, S, d), (S * 3 * heads * d, d, 3 * heads * d, 1))
+
+
+def call_of(q, k=None, v=None, dtype="bfloat16", layout="HND", **kw):
+    k = k or q
+    v = v or k
+    return AttnCall(q, k, v, dtype, layout, **kw)
+
+
+def index_violations(call, env=SAGE1_TRITON):
+    return [v for v in check(call, env) if v.rule == "index"]
+
+
+# ------------------------------------------------------------------ boundaries
+@pytest.mark.parametrize("S,ok", [(38_000, True), (99_865, True), (99_866, False), (169_000, False)])
+def test_sage1_strided_int32_boundary(S, ok):
+    viol = index_violations(call_of(h3_view(S)))
+    assert (not viol) == ok
+    if not ok:
+        v = viol[0]
+        assert v.tensor in ("q", "k") and v.axis == "s"
+        assert v.value == (S - 1) * H3_STRIDE and v.limit == I32_MAX
+        assert "quant_per_block.py" in v.cite
+
+
+@pytest.mark.parametrize("S,ok", [(305_040, True), (305_041, False)])
+def test_sage1_contiguous_head_term_boundary(S, ok):
+    """Per-term rule: head 55 x S*128 must fit in int32 (measured 305,040 ok / 305,041 wrong)."""
+    t = TensorDesc.contiguous((1, 56, S, 128), "HND")
+    viol = index_violations(call_of(t))
+    assert (not viol) == ok
+    if not ok:
+        assert {v.axis for v in viol} == {"h"}
+
+
+def test_sum_based_estimate_is_not_used():
+    """~299,600 (sum of terms) is inside the envelope: only each product must fit."""
+    t = TensorDesc.contiguous((1, 56, 299_700, 128), "HND")
+    assert not index_violations(call_of(t))
+
+
+def test_nhd_contiguous_token_term():
+    """NHD contiguous: token stride is heads*d; (S-1)*7168 overflows past 299,593 tokens."""
+    limit = I32_MAX // 7168 + 1
+    ok = TensorDesc.contiguous((1, 56, limit, 128), "NHD")
+    bad = TensorDesc.contiguous((1, 56, limit + 1, 128), "NHD")
+    assert not index_violations(call_of(ok, layout="NHD"))
+    assert index_violations(call_of(bad, layout="NHD"))
+
+
+def test_batch_term_and_i64_stride_promotion():
+    # batch term: (B-1) * batch stride in i32
+    S = 20_000
+    t = TensorDesc.contiguous((2, 56, S, 128), "HND")        # batch stride 143M: fits
+    assert not index_violations(call_of(t))
+    big = TensorDesc((3, 8, 64, 128), (1_100_000_000, 8192, 128, 1))   # (3-1)*1.1e9 > i32
+    assert any(v.axis == "b" for v in index_violations(call_of(big)))
+    # a stride that itself exceeds i32 is passed as i64 by Triton: no overflow
+    huge = TensorDesc((2, 8, 64, 128), (3_000_000_000, 8192, 128, 1))
+    assert not any(v.axis == "b" for v in index_violations(call_of(huge)))
+
+
+def test_max_len_for_term_matches_boundary():
+    term = SAGE1_TRITON.terms[2]
+    assert term.tensor == "q" and term.axis == "s"
+    assert max_len_for_term(term, H3_STRIDE) == 99_865
+
+
+@pytest.mark.parametrize("d,ok", [(64, True), (96, True), (128, True), (256, False), (80, False)])
+def test_head_dims(d, ok):
+    t = TensorDesc.contiguous((1, 8, 1024, d), "HND")
+    viol = check(call_of(t), SAGE1_TRITON)
+    assert (not viol) == ok
+    if not ok:
+        assert viol[0].rule == "head_dim"
+
+
+@pytest.mark.parametrize("dtype,ok", [("float16", True), ("bfloat16", True), ("float32", True),
+                                      ("float64", False), ("float8_e4m3fn", False)])
+def test_dtypes(dtype, ok):
+    t = TensorDesc.contiguous((1, 8, 1024, 64), "HND")
+    assert (not check(call_of(t, dtype=dtype), SAGE1_TRITON)) == ok
+
+
+def test_mask_and_device_rules():
+    t = TensorDesc.contiguous((1, 8, 1024, 64), "HND")
+    assert [v.rule for v in check(call_of(t, has_mask=True), SAGE1_TRITON)] == ["mask"]
+    assert [v.rule for v in check(call_of(t, device="cpu"), SAGE1_TRITON)] == ["device"]
+    assert not check(call_of(t, has_mask=True, device="cpu"), SDPA)
+
+
+def test_gqa_heads_and_noncontiguous_last_dim():
+    q = TensorDesc.contiguous((1, 8, 256, 64), "HND")
+    k = TensorDesc.contiguous((1, 2, 256, 64), "HND")
+    assert not check(call_of(q, k, k), SAGE1_TRITON)
+    k3 = TensorDesc.contiguous((1, 3, 256, 64), "HND")
+    assert any(v.rule == "layout" for v in check(call_of(q, k3, k3), SAGE1_TRITON))
+    bad = TensorDesc((1, 8, 256, 64), (8 * 256 * 64 * 2, 256 * 64 * 2, 64 * 2, 2))
+    assert any(v.rule == "layout" for v in check(call_of(bad), SAGE1_TRITON))
+
+
+# --------------------------------------------------------------------- planner
+def test_direct_when_inside():
+    p = plan_for(call_of(h3_view(99_865)), SAGE1_TRITON)
+    assert p == Plan("direct", "sage1_triton", "HND")
+    assert p.extra_bytes == 0
+
+
+@pytest.mark.parametrize("S", [99_866, 169_000, 199_729])
+def test_repack_fixes_strided_overflow(S):
+    call = call_of(h3_view(S))
+    p = plan_for(call, SAGE1_TRITON)
+    assert p.kind == "repack" and set(p.repack) == {"q", "k"}     # v's token term is not computed in i32
+    assert p.extra_bytes == 2 * 56 * S * 128 * 2
+    assert p.reasons and f"{S:,}" in p.reasons[0]
+    # every launch of the plan is inside the envelope
+    from safe_ops.planner import _sub_call
+    assert not check(_sub_call(call, 56, S, p.repack, p.layout), SAGE1_TRITON)
+
+
+def test_head_groups_past_contiguous_head_limit():
+    S = 305_041
+    p = plan_for(call_of(h3_view(S)), SAGE1_TRITON)
+    assert p.kind == "head_groups" and p.head_group == 28 and p.launches == 2
+    t = TensorDesc.contiguous((1, 56, S, 128), "HND")
+    p2 = plan_for(call_of(t), SAGE1_TRITON)
+    assert p2.kind == "head_groups" and not p2.repack
+
+
+def test_budget_forces_smaller_groups_or_none():
+    S = 169_000
+    call = call_of(h3_view(S))
+    full = plan_for(call, SAGE1_TRITON)
+    tight = plan_for(call, SAGE1_TRITON, budget_bytes=full.extra_bytes // 3)
+    assert tight is not None and tight.extra_bytes <= full.extra_bytes // 3
+    assert tight.launches > 1
+    assert plan_for(call, SAGE1_TRITON, budget_bytes=1024) is None
+
+
+def test_query_chunks_when_only_query_side_overflows():
+    """Long strided queries against short contiguous keys: chunk queries, copy nothing."""
+    q = h3_view(150_000)
+    k = TensorDesc.contiguous((1, 56, 512, 128), "HND")
+    p = plan_for(call_of(q, k, k), SAGE1_TRITON, budget_bytes=2 * 2**30)
+    assert p.kind == "query_chunks" and p.q_chunk <= 99_865 and not p.repack
+
+
+def test_choose_falls_back_to_sdpa_with_reasons():
+    t = TensorDesc.contiguous((1, 8, 1024, 256), "HND")
+    ch = choose(call_of(t), [SAGE1_TRITON, SDPA])
+    assert ch.plan.kind == "sdpa" and "head_dim" in ch.plan.reasons[0]
+    t2 = TensorDesc.contiguous((1, 8, 1024, 128), "HND")
+    ch2 = choose(call_of(t2, has_mask=True), [SAGE1_TRITON, SDPA])
+    assert ch2.plan.kind == "sdpa" and "mask" in ch2.plan.reasons[0]
+    assert choose(call_of(t2), [SDPA]).plan == Plan("sdpa", "sdpa", "HND")
+
+
+def test_plan_is_printable_data():
+    p = plan_for(call_of(h3_view(169_000)), SAGE1_TRITON)
+    s = str(p)
+    assert "repack q/k" in s and "because" in s and "169,000" in s
+    assert p == dataclasses.replace(p)
