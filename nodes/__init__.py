@@ -1,0 +1,17 @@
+"""ComfyUI side of the pack: the V3 extension, its nodes and its HTTP routes (thin; logic is in safe_ops)."""
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .safe_sage import NODES, SafeSageAttention
+
+__all__ = ["SafeSageExtension", "SafeSageAttention", "comfy_entrypoint"]
+
+
+class SafeSageExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODES)
+
+
+async def comfy_entrypoint() -> SafeSageExtension:
+    return SafeSageExtension()

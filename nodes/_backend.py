@@ -1,0 +1,56 @@
+"""The one place where the node layer imports safe_ops.
+
+A broken install (a missing or half-updated safe_ops, a torch that does not import) must
+never be silent and must never take ComfyUI down. So the import is attempted once, when
+ComfyUI loads the pack: on failure the full traceback is logged as an IMPORT error right
+away, the node is still registered, and running it raises SafeSageUnavailable with the
+original error chained and a line that says what to do.
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+
+log = logging.getLogger("SafeSage")
+
+FIX_HINT = (
+    "Reinstall or update the ComfyUI-SafeSage pack (ComfyUI-Manager: 'Try fix' / 'Update', "
+    "or `git pull` inside custom_nodes/ComfyUI-SafeSage) and restart ComfyUI; if it persists, "
+    "report the IMPORT error from the start-up log."
+)
+
+
+class SafeSageUnavailable(RuntimeError):
+    """safe_ops could not be imported; the message says why and what to do."""
+
+
+_IMPORT_ERROR: BaseException | None = None
+_IMPORT_TRACEBACK = ""
+
+try:
+    from ..safe_ops.policy import Policy
+    from ..safe_ops.patch import apply_safesage
+    from ..safe_ops import report
+except Exception as e:  # noqa: BLE001 - any failure here must be reported, not raised at load
+    _IMPORT_ERROR = e
+    _IMPORT_TRACEBACK = traceback.format_exc()
+    Policy = apply_safesage = report = None  # type: ignore[assignment]
+    log.error(
+        "SafeSage: IMPORT FAILED for its safe_ops core (%s: %s). The SafeSageAttention node "
+        "is listed but will refuse to run. %s\n%s",
+        type(e).__name__, e, FIX_HINT, _IMPORT_TRACEBACK,
+    )
+
+
+def import_error() -> BaseException | None:
+    return _IMPORT_ERROR
+
+
+def require():
+    """Return (Policy, apply_safesage, report) or raise SafeSageUnavailable."""
+    if _IMPORT_ERROR is not None:
+        raise SafeSageUnavailable(
+            f"SafeSage could not load its safe_ops core: {type(_IMPORT_ERROR).__name__}: "
+            f"{_IMPORT_ERROR}. {FIX_HINT}"
+        ) from _IMPORT_ERROR
+    return Policy, apply_safesage, report

@@ -1,0 +1,54 @@
+"""HTTP routes of the pack, added to ComfyUI's server when there is one.
+
+GET /safesage/stats -> safe_ops.report.snapshot() as JSON (process-wide counters: attention
+calls per plan kind, fallbacks with reasons, MLP patches and calls, fences). 503 with
+{"error": ...} when safe_ops could not be imported, 500 when the snapshot itself fails.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from . import _backend
+
+log = logging.getLogger("SafeSage")
+
+STATS_PATH = "/safesage/stats"
+_registered = False
+
+
+def _dumps(obj) -> str:
+    # Counters may hold tuples, enums or dataclasses: never fail the endpoint on a stray type.
+    return json.dumps(obj, default=str)
+
+
+async def stats_handler(request):
+    from aiohttp import web
+
+    try:
+        _, _, report = _backend.require()
+    except _backend.SafeSageUnavailable as e:
+        return web.json_response({"error": str(e)}, status=503, dumps=_dumps)
+    try:
+        return web.json_response(report.snapshot(), dumps=_dumps)
+    except Exception as e:  # noqa: BLE001 - report it to the caller and the log, keep serving
+        log.exception("SafeSage: %s failed", STATS_PATH)
+        return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500, dumps=_dumps)
+
+
+def register() -> bool:
+    """Add the routes to the running PromptServer. False (and nothing done) when there is none,
+    e.g. when the pack is imported by a script or a test rather than by a ComfyUI server."""
+    global _registered
+    if _registered:
+        return True
+    try:
+        from server import PromptServer
+
+        routes = PromptServer.instance.routes
+    except (ImportError, AttributeError):
+        log.debug("SafeSage: no ComfyUI server instance; %s not registered", STATS_PATH)
+        return False
+    routes.get(STATS_PATH)(stats_handler)
+    _registered = True
+    return True

@@ -1,0 +1,108 @@
+"""SafeSageAttention: the node. Thin on purpose: schema and tooltips here, all logic in safe_ops.
+
+Uses only the V3 API surface that ComfyUI 0.3.75 and 0dd9b154 (0.30.x) both have:
+io.ComfyNode / io.Schema / io.Model / io.Combo / io.Int / io.Boolean / io.NodeOutput and
+ui.PreviewText.
+"""
+from __future__ import annotations
+
+from comfy_api.latest import io, ui
+
+from . import _backend
+
+# The values a saved workflow stores for these widgets: part of the node's contract with
+# users' files. safe_ops.policy.Policy validates them again (KERNELS, MLP_CHUNKING, VERIFY).
+KERNELS = ["auto", "sage", "sdpa"]
+MLP_CHUNKING = ["auto", "off", "tokens"]
+VERIFY = ["first", "every", "off"]
+
+TIP_MODEL = (
+    "The diffusion model straight from your loader (e.g. Load Diffusion Model / UNETLoader). "
+    "It is cloned: the model going in is left unchanged."
+)
+TIP_KERNEL = (
+    "Which attention kernel to run. "
+    "auto: for each attention call, the fastest kernel that has been checked to be safe for that "
+    "call's size on this GPU: SageAttention where its limits allow, PyTorch SDPA otherwise (also "
+    "when SageAttention is not installed). "
+    "sage: prefer SageAttention; calls its kernels cannot index safely are still rerouted "
+    "(repacked, split, or sent to SDPA), never run unsafely. The status text below the node "
+    "says what happened if SageAttention is missing. "
+    "sdpa: PyTorch's built-in attention only; use it to rule SageAttention out when you see noise "
+    "or crashes, or when SageAttention is not installed."
+)
+TIP_MLP_CHUNKING = (
+    "MiniMax H3 only; other models are not touched. Runs each block's MLP (fc1, SiLU gate, fc2) "
+    "over the tokens in chunks instead of all at once, which cuts its peak VRAM at long video "
+    "lengths from many GiB to a few, with the same result. "
+    "auto: chunk size chosen from free GPU memory. "
+    "tokens: fixed chunks of mlp_chunk_tokens tokens. "
+    "off: ComfyUI's own unchunked MLP."
+)
+TIP_MLP_CHUNK_TOKENS = (
+    "Tokens per MLP chunk, used only when mlp_chunking is 'tokens'. Smaller uses less VRAM, "
+    "larger is slightly faster. For scale: a 1664x960, 362-frame H3 video is about 169,000 tokens."
+)
+TIP_VERIFY = (
+    "Checks that the attention kernel really computes attention on your GPU: a mismatched "
+    "SageAttention build can return noise without any error. "
+    "first: on the first call of each kind (kernel, dtype, head size, layout, size class), "
+    "compare a small slice of the output with PyTorch SDPA; a kernel that fails is not used "
+    "again for that kind and that call is recomputed safely. "
+    "every: check every call (slower; for diagnosing). "
+    "off: no check."
+)
+TIP_DEBUG_SYNC = (
+    "Diagnostics only; slows sampling down. Waits for the GPU after every guarded call, so a GPU "
+    "fault is reported at the call that caused it instead of at some later, unrelated line "
+    "(like F.silu in the original crash report). Leave off for normal use."
+)
+
+
+class SafeSageAttention(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SafeSageAttention",
+            display_name="SafeSage Attention (MiniMax H3 safe)",
+            category="model/patch/attention",
+            description=(
+                "Checks every attention call against what SageAttention's kernels can index and "
+                "reroutes calls outside those limits, keeps temporary GPU buffers alive until the "
+                "GPU has finished with them, and runs MiniMax H3's MLP in token chunks. Put it "
+                "right after the model loader."
+            ),
+            inputs=[
+                io.Model.Input("model", tooltip=TIP_MODEL),
+                io.Combo.Input("kernel", options=KERNELS, default="auto", tooltip=TIP_KERNEL),
+                io.Combo.Input("mlp_chunking", options=MLP_CHUNKING, default="auto", tooltip=TIP_MLP_CHUNKING),
+                io.Int.Input(
+                    "mlp_chunk_tokens", default=16384, min=256, max=1048576, step=256,
+                    tooltip=TIP_MLP_CHUNK_TOKENS,
+                ),
+                io.Combo.Input("verify", options=VERIFY, default="first", tooltip=TIP_VERIFY),
+                io.Boolean.Input("debug_sync", default=False, tooltip=TIP_DEBUG_SYNC),
+            ],
+            outputs=[io.Model.Output()],
+        )
+
+    @classmethod
+    def execute(cls, *, model, kernel, mlp_chunking, mlp_chunk_tokens, verify, debug_sync) -> io.NodeOutput:
+        Policy, apply_safesage, _report = _backend.require()
+        policy = Policy(
+            kernel=kernel,
+            mlp_chunking=mlp_chunking,
+            mlp_chunk_tokens=int(mlp_chunk_tokens),
+            verify=verify,
+            debug_sync=bool(debug_sync),
+        )
+        patched, summary = apply_safesage(model, policy)
+        if patched is model:
+            # Postcondition: patches live on a clone, so the loader's cached model stays clean.
+            raise RuntimeError("SafeSage internal error: safe_ops patched the input model in place instead of a clone.")
+        # safe_ops logs this text itself; here it only goes to the node (ui.PreviewText).
+        text = str((summary or {}).get("text") or "SafeSage: model patched (no status text).")
+        return io.NodeOutput(patched, ui=ui.PreviewText(text))
+
+
+NODES = [SafeSageAttention]
