@@ -1,0 +1,864 @@
+"""Token-chunked SwiGLU MLP for MiniMax H3 (hazards H-3, H-4).
+
+ComfyUI (``comfy/ldm/minimax/model.py`` at ``0dd9b154``) runs each H3 MLP as::
+
+    comfy.ops.linear_input_act(self.fc2, self.fc1(x), "swiglu")
+
+i.e. ``fc1`` over all S tokens (``[S, 2*ffn]``, 9.0 GiB at S = 169k), ``silu(gate) * up``
+(another ``[S, ffn]``), then ``fc2`` (plus its fp8 input copy).  Every step is row
+independent, so the same numbers come out of a loop over token chunks that writes each
+chunk's ``fc2`` result into a preallocated ``[S, hidden]`` output.
+
+This module has three layers:
+
+* pure torch, no ComfyUI: :func:`plan_chunk`, :func:`chunked_swiglu`,
+  :func:`dequantize_fp8`, and the generic chunk loop :func:`run_chunked_mlp` driven by
+  *leases* (a weight obtained once, applied to many chunks, then released);
+* the ComfyUI-facing part (``comfy`` imported lazily inside functions, guarded with
+  ``getattr`` so the pack loads on ComfyUI 0.3.75, which has neither H3 nor
+  ``linear_input_act``): :func:`comfy_linear_lease` obtains a Linear's weight ONCE per MLP
+  call through ``comfy.ops.cast_bias_weight(..., offloadable=True)`` -- whatever the loading
+  mode -- and gives it back through ``comfy.ops.uncast_bias_weight``;
+  :func:`h3_mlp_forward` is the replacement forward;
+* :func:`install_h3_mlp_patches` puts that forward on every H3 ``MLP`` of a ModelPatcher
+  with ``add_object_patch``.
+
+Fencing.  Transient weight copies (cast buffers, dequantised / LoRA-patched weights) are
+used by every chunk's kernels; after the last chunk has been enqueued they are handed to
+``FenceBook.hold`` (an event recorded after the last consumer) and only then released
+through ComfyUI's release path.  Per-chunk intermediates (fc1 output, activation) are
+*not* fenced: they are allocated and consumed on the one current stream and never handed
+to another stream, which is exactly the case the caching allocator orders correctly;
+fencing them would keep every chunk's intermediate alive until the GPU catches up and
+give back the memory the chunking saves.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .fences import GLOBAL_FENCES, FenceBook
+
+log = logging.getLogger("SafeSage.mlp")
+
+H3_MODEL_MODULE = "comfy.ldm.minimax.model"
+H3_MODEL_CLASS = "MiniMaxH3Model"
+H3_MLP_CLASS = "MLP"
+
+#: token counts the planner rounds to
+CHUNK_ALIGN = 256
+#: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out)
+AUTO_BUDGET_BYTES = 768 * 1024 ** 2
+#: never plan a budget below this, even with little free memory
+AUTO_BUDGET_FLOOR_BYTES = 64 * 1024 ** 2
+#: "auto" never uses more than this fraction of the free device memory for a chunk
+AUTO_FREE_FRACTION = 0.25
+
+
+# ---------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------
+@dataclass
+class MlpStats:
+    calls: int = 0             # patched MLP forwards entered
+    chunked_calls: int = 0     # ... that ran chunked
+    passthrough: int = 0       # ... that ran ComfyUI's own forward because S fits one chunk
+    chunks: int = 0            # chunks executed
+    casts: int = 0             # comfy.ops.cast_bias_weight calls made by this module
+    dequants: int = 0          # weights dequantised once by this module (fp8 fallback)
+    fenced: int = 0            # FenceBook.hold calls for transient weights
+    fallbacks: dict = field(default_factory=dict)   # reason -> count (unchunked, counted)
+
+    def fallback(self, reason: str) -> None:
+        first = reason not in self.fallbacks
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+        if first:
+            log.warning("SafeSage MLP: running ComfyUI's unchunked MLP (%s)", reason)
+
+    def reset(self) -> None:
+        self.__init__()
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["fallbacks"] = dict(self.fallbacks)
+        return d
+
+
+MLP_STATS = MlpStats()
+_STATS_LOCK = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------
+# planning
+# ---------------------------------------------------------------------------------------
+def per_token_bytes(hidden: int, ffn: int, dtype_bytes: int) -> int:
+    """Bytes one token of a chunk keeps live in the chunk loop.
+
+    fc1 output ``2*ffn`` (gate|up; the activation is computed in place into the gate half)
+    + fc2's input copy (a contiguous / quantised copy of the ``ffn`` activation, at most
+    ``ffn`` elements of the compute dtype) + fc2's per-chunk output before it is copied
+    into the preallocated result (``hidden``).  Conservative: the dense path writes fc2
+    straight into the output and needs no input copy.
+    """
+    return (2 * ffn + ffn + hidden) * dtype_bytes
+
+
+def plan_chunk(S: int, hidden: int, ffn: int, dtype_bytes: int, budget_bytes: int) -> int:
+    """Tokens per chunk so one chunk's intermediates fit ``budget_bytes``.
+
+    Returns ``S`` when everything fits (no chunking; ``S = 0`` returns 0), otherwise the
+    largest multiple of 256 that fits, or -- when even 256 tokens do not fit -- the largest
+    token count that does, never less than 1.
+    """
+    S = int(S)
+    if S <= 0:
+        return 0
+    per_tok = per_token_bytes(int(hidden), int(ffn), int(dtype_bytes))
+    if per_tok <= 0:
+        return S
+    fit = int(budget_bytes) // per_tok
+    if fit >= S:
+        return S
+    if fit >= CHUNK_ALIGN:
+        return (fit // CHUNK_ALIGN) * CHUNK_ALIGN
+    return max(1, fit)
+
+
+def parse_chunk_setting(chunk_setting: Any) -> Any:
+    """``"auto"`` | ``"off"`` | positive int (also as a digit string) -> normalised value."""
+    if chunk_setting is None:
+        return "auto"
+    if isinstance(chunk_setting, bool):
+        raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
+    if isinstance(chunk_setting, int):
+        if chunk_setting < 1:
+            raise ValueError(f"SafeSage: MLP chunk tokens must be >= 1, got {chunk_setting}")
+        return chunk_setting
+    s = str(chunk_setting).strip().lower()
+    if s in ("auto", "off"):
+        return s
+    if s.isdigit() and int(s) >= 1:
+        return int(s)
+    raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
+
+
+def _free_device_bytes(device: torch.device) -> Optional[int]:
+    mm = sys.modules.get("comfy.model_management")
+    fn = getattr(mm, "get_free_memory", None) if mm is not None else None
+    try:
+        if fn is not None:
+            return int(fn(device))
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+    except Exception:  # pragma: no cover - best effort
+        return None
+    return None
+
+
+def auto_budget_bytes(device: torch.device) -> int:
+    budget = AUTO_BUDGET_BYTES
+    free = _free_device_bytes(device) if device.type != "cpu" else None
+    if free is not None:
+        budget = min(budget, int(free * AUTO_FREE_FRACTION))
+    return max(budget, AUTO_BUDGET_FLOOR_BYTES)
+
+
+def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
+                  device: torch.device, budget_bytes: Optional[int] = None) -> int:
+    """Chunk tokens for this call; ``>= S`` means "do not chunk"."""
+    setting = parse_chunk_setting(chunk_setting)
+    if setting == "off" or S <= 0:
+        return max(S, 0)
+    if setting == "auto":
+        if budget_bytes is None:
+            budget_bytes = auto_budget_bytes(device)
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        return plan_chunk(S, hidden, ffn, dtype_bytes, budget_bytes)
+    return min(int(setting), S)
+
+
+# ---------------------------------------------------------------------------------------
+# pure torch core
+# ---------------------------------------------------------------------------------------
+def swiglu_inplace(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with gate = FIRST half (ComfyUI ``_swiglu_eager``), in place.
+
+    Writes into the gate half of ``h`` and returns that ``[..., ffn]`` view (row stride
+    ``2*ffn``).  Elementwise ops on the same values as ``_swiglu_eager``: bit-identical.
+    """
+    gate, up = h.chunk(2, dim=-1)
+    F.silu(gate, inplace=True)
+    return gate.mul_(up)
+
+
+def dequantize_fp8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per-tensor fp8 dequantisation, the same formula as comfy-kitchen's
+    ``dequantize_per_tensor_fp8`` (``q.to(dtype) * scale.to(dtype)``)."""
+    return qweight.to(dtype=dtype) * scale.to(device=qweight.device, dtype=dtype)
+
+
+class Lease:
+    """A Linear's weights obtained once for one MLP call, applied to every chunk.
+
+    ``apply(inp)`` returns ``inp @ W.T + b`` for one chunk; ``apply_into(inp, out)`` writes it
+    into ``out`` (a row slice of the preallocated result).  ``transients`` are tensors the
+    lease created or received that kernels read (cast buffers, dequantised / patched weights):
+    they are fenced after the last chunk.  ``release()`` gives them back (ComfyUI's
+    ``uncast_bias_weight`` for comfy leases); it runs after the fence is recorded.
+    """
+
+    contiguous_input = False   # dense mm accepts the strided activation view
+
+    def __init__(self, transients: Iterable[Any] = (), release: Optional[Callable[[], None]] = None,
+                 label: str = ""):
+        self.transients = [t for t in transients if isinstance(t, torch.Tensor)]
+        self._release = release
+        self.released = False
+        self.label = label
+
+    def apply(self, inp: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def apply_into(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self.apply(inp))
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        if self._release is not None:
+            self._release()
+
+
+class DenseLease(Lease):
+    """Plain weight/bias tensors: ``F.linear`` semantics, written straight into ``out``."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 transients: Iterable[Any] = (), release: Optional[Callable[[], None]] = None,
+                 label: str = ""):
+        super().__init__(transients, release, label)
+        self.weight = weight
+        self.bias = bias
+
+    def apply(self, inp: torch.Tensor) -> torch.Tensor:
+        return F.linear(inp, self.weight, self.bias)
+
+    def apply_into(self, inp: torch.Tensor, out: torch.Tensor) -> None:
+        # at::linear on 2-D input is addmm(bias, x, W.t()) / mm(x, W.t()): same kernels.
+        if type(self.weight) not in (torch.Tensor, torch.nn.Parameter) \
+                or out.dtype != inp.dtype or self.weight.dtype != inp.dtype \
+                or (self.bias is not None and self.bias.dtype != inp.dtype):
+            out.copy_(F.linear(inp, self.weight, self.bias))
+        elif self.bias is None:
+            torch.mm(inp, self.weight.t(), out=out)
+        else:
+            torch.addmm(self.bias, inp, self.weight.t(), out=out)
+
+
+class CallableLease(Lease):
+    """Any per-chunk callable (quantised matmul, INT8 fused kernel, plain module)."""
+
+    contiguous_input = True
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], transients: Iterable[Any] = (),
+                 release: Optional[Callable[[], None]] = None, label: str = "",
+                 fused_act: bool = False):
+        super().__init__(transients, release, label)
+        self.fn = fn
+        self.fused_act = fused_act   # fn takes the fc1 output and applies swiglu itself
+
+    def apply(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.fn(inp)
+
+
+def _flatten_tokens(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    lead = tuple(x.shape[:-1])
+    return x.reshape(-1, x.shape[-1]), lead
+
+
+def run_chunked_mlp(x: torch.Tensor, fc1: Lease, fc2: Lease, chunk_tokens: int,
+                    out: Optional[torch.Tensor] = None, fences: Optional[FenceBook] = None,
+                    stats: Optional[MlpStats] = None, fence_label: str = "mlp") -> torch.Tensor:
+    """``fc2(swiglu(fc1(x)))`` over token chunks; leases fenced then released.
+
+    ``x``: ``[..., hidden]`` (leading dims flattened).  ``out`` (optional): ``[S, out]`` or
+    ``[..., out]`` buffer to write into.  The leases are always released (also on error);
+    their transients are fenced first when ``fences`` is given.
+    """
+    try:
+        x2, lead = _flatten_tokens(x)
+        S = x2.shape[0]
+        c = max(1, int(chunk_tokens))
+        if out is not None:
+            out2 = out.reshape(S, out.shape[-1]) if S > 0 else out.reshape(0, out.shape[-1])
+        else:
+            out2 = None
+        n_chunks = 0
+        for a in range(0, S, c):
+            b = min(a + c, S)
+            h = fc1.apply(x2[a:b])
+            if getattr(fc2, "fused_act", False):
+                inp = h
+            else:
+                inp = swiglu_inplace(h)
+                if fc2.contiguous_input:
+                    inp = inp.contiguous()
+            if out2 is None:
+                y = fc2.apply(inp)
+                out2 = torch.empty((S, y.shape[-1]), dtype=y.dtype, device=y.device)
+                out2[a:b].copy_(y)
+                del y
+            else:
+                fc2.apply_into(inp, out2[a:b])
+            del h, inp
+            n_chunks += 1
+        if out2 is None:
+            # S == 0: shape-only pass so the output has the right width / dtype
+            h = fc1.apply(x2)
+            inp = h if getattr(fc2, "fused_act", False) else swiglu_inplace(h)
+            out2 = fc2.apply(inp)
+        if stats is not None:
+            with _STATS_LOCK:
+                stats.chunks += n_chunks
+        result = out if out is not None else out2.reshape(*lead, out2.shape[-1])
+        return result
+    finally:
+        transients = list(fc1.transients) + list(fc2.transients)
+        if fences is not None and transients:
+            # Event recorded now = after the last chunk's kernels on the current stream.
+            fences.hold(transients, label=fence_label)
+            if stats is not None:
+                with _STATS_LOCK:
+                    stats.fenced += 1
+        try:
+            fc1.release()
+        finally:
+            fc2.release()
+
+
+def chunked_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor],
+                   fc2_weight: torch.Tensor, fc2_bias: Optional[torch.Tensor], chunk_tokens: int,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``fc2(silu(gate) * up)`` with ``gate, up = fc1(x).chunk(2, -1)``, per token chunk.
+
+    ``x``: ``[S, hidden]`` or ``[..., hidden]``; weights in ``F.linear`` layout
+    (``fc1_weight``: ``[2*ffn, hidden]``, ``fc2_weight``: ``[hidden_out, ffn]``).  Each chunk:
+    fc1 -> in-place SwiGLU in the gate half -> fc2 written into a slice of the
+    preallocated output (``out``, ``[..., hidden_out]``, allocated when None).
+    ``chunk_tokens <= 0`` or ``>= S`` runs one chunk.
+    """
+    x2, lead = _flatten_tokens(x)
+    S = x2.shape[0]
+    c = int(chunk_tokens) if chunk_tokens and int(chunk_tokens) > 0 else max(S, 1)
+    n_out = fc2_weight.shape[0]
+    if out is None:
+        out = torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape[:-1]) != lead and out.shape[0] != S:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*lead, n_out)}")
+    return run_chunked_mlp(x, DenseLease(fc1_weight, fc1_bias, label="fc1"),
+                           DenseLease(fc2_weight, fc2_bias, label="fc2"), c, out=out)
+
+
+def reference_swiglu(x: torch.Tensor, fc1_weight, fc1_bias, fc2_weight, fc2_bias) -> torch.Tensor:
+    """The unpatched ComfyUI eager path: fc1 full -> ``_swiglu_eager`` -> fc2."""
+    h = F.linear(x, fc1_weight, fc1_bias)
+    gate, up = h.chunk(2, dim=-1)
+    return F.linear(F.silu(gate).mul_(up), fc2_weight, fc2_bias)
+
+
+# ---------------------------------------------------------------------------------------
+# ComfyUI-facing part (lazy imports only)
+# ---------------------------------------------------------------------------------------
+class Unsupported(Exception):
+    """This Linear cannot be leased safely: run ComfyUI's own forward instead."""
+
+
+def _comfy_ops():
+    return sys.modules.get("comfy.ops") or __import__("comfy.ops", fromlist=["ops"])
+
+
+def _is_quantized(t: Any) -> bool:
+    qt = getattr(sys.modules.get("comfy.quant_ops"), "QuantizedTensor", None)
+    if isinstance(qt, type) and isinstance(t, qt):
+        return True
+    return hasattr(t, "_qdata") and hasattr(t, "_params")
+
+
+def _layout_name(t: Any) -> str:
+    lc = getattr(t, "_layout_cls", None)
+    return lc if isinstance(lc, str) else getattr(lc, "__name__", str(lc))
+
+
+def _ranges(t: Any) -> list[tuple[int, int]]:
+    """Device address ranges a tensor (or QuantizedTensor) reads."""
+    out = []
+    if t is None:
+        return out
+    if _is_quantized(t):
+        for name in ("_qdata",):
+            out += _ranges(getattr(t, name, None))
+        params = getattr(t, "_params", None)
+        out += _ranges(getattr(params, "scale", None))
+        return out
+    if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() > 0:
+        try:
+            p = t.data_ptr()
+            out.append((p, p + t.numel() * t.element_size()))
+        except Exception:  # pragma: no cover
+            pass
+    return out
+
+
+def _overlap(a: Iterable[Any], b: Iterable[Any]) -> bool:
+    ra = [r for t in a for r in _ranges(t)]
+    rb = [r for t in b for r in _ranges(t)]
+    return any(x0 < y1 and y0 < x1 for x0, x1 in ra for y0, y1 in rb)
+
+
+def _is_param_of(t: Any, linear: torch.nn.Module) -> bool:
+    for name in ("weight", "bias"):
+        p = getattr(linear, name, None)
+        if p is None or t is None:
+            continue
+        if t is p:
+            return True
+        try:
+            if isinstance(t, torch.Tensor) and not _is_quantized(t) and not _is_quantized(p) \
+                    and t.data_ptr() == p.data_ptr() and t.shape == p.shape:
+                return True
+        except Exception:
+            pass
+    return False
+
+
+def _cast_once(linear, stats: MlpStats, **kw):
+    """``comfy.ops.cast_bias_weight(linear, ..., offloadable=True)``; returns weight, bias,
+    offload_stream, the transients to fence and a release closure."""
+    ops = _comfy_ops()
+    weight, bias, offload_stream = ops.cast_bias_weight(linear, offloadable=True, **kw)
+    with _STATS_LOCK:
+        stats.casts += 1
+    extra = []
+    if isinstance(offload_stream, tuple):
+        extra = [t for t in offload_stream[1:] if isinstance(t, torch.Tensor)]
+    transients = []
+    for t in [weight, bias, *extra]:
+        if t is None or _is_param_of(t, linear):
+            continue
+        if _is_quantized(t):
+            transients += [getattr(t, "_qdata", None)]
+        else:
+            transients.append(t)
+
+    def release():
+        _comfy_ops().uncast_bias_weight(linear, weight, bias, offload_stream)
+
+    return weight, bias, offload_stream, transients, release
+
+
+class _FallbackProbe(logging.Handler):
+    """Catches comfy-kitchen's "FP8 _scaled_mm failed ... falling back to dequantization"."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.fell_back = False
+
+    def emit(self, record):
+        try:
+            if "falling back" in record.getMessage():
+                self.fell_back = True
+        except Exception:  # pragma: no cover
+            pass
+
+
+_CK_FP8_LOGGER = "comfy_kitchen.tensor.fp8"
+#: (device type, device index, layout) -> True when the quantised matmul runs natively
+_FP8_NATIVE: dict = {}
+
+
+def _fp8_probe_key(weight: Any, device: torch.device) -> tuple:
+    return (device.type, device.index, _layout_name(weight))
+
+
+#: input layouts whose quantisation of one row does not depend on other rows when the
+#: layer has no input_scale (comfy's FP8 layouts use scale 1.0; MXFP8 scales 1x32 blocks)
+_ROW_INDEPENDENT_LAYOUTS = ("TensorCoreFP8Layout", "TensorCoreFP8E4M3Layout",
+                            "TensorCoreFP8E5M2Layout", "TensorCoreMXFP8Layout")
+#: layouts that are row independent only with a fixed (checkpoint) input scale
+_ROW_INDEPENDENT_WITH_SCALE = ("TensorCoreNVFP4Layout",)
+
+
+def _row_independent_input_quant(layout_type: Any, input_scale: Any) -> bool:
+    name = layout_type if isinstance(layout_type, str) else getattr(layout_type, "__name__", "")
+    if name in _ROW_INDEPENDENT_LAYOUTS:
+        return True
+    return name in _ROW_INDEPENDENT_WITH_SCALE and input_scale is not None
+
+
+def _mixed_precision_kind(linear) -> bool:
+    return "MixedPrecisionOps" in type(linear).__qualname__ or hasattr(linear, "_full_precision_mm")
+
+
+def comfy_linear_lease(linear: torch.nn.Module, sample: torch.Tensor, stats: MlpStats = MLP_STATS,
+                       label: str = "") -> Lease:
+    """Lease ``linear``'s weight for one MLP call, mirroring what ``linear.forward`` would do
+    with ``sample`` (dtype/device of the chunk inputs), with ONE cast.
+
+    Raises :class:`Unsupported` before casting anything when the layer's class is not one
+    whose forward is reproduced here exactly.
+    """
+    ops = _comfy_ops()
+    cls = type(linear)
+    fn_w = list(getattr(linear, "weight_function", []) or [])
+    fn_b = list(getattr(linear, "bias_function", []) or [])
+
+    # plain torch Linear (or any module that is not a comfy cast op): nothing is cast
+    if not hasattr(linear, "comfy_cast_weights") and type(linear) is torch.nn.Linear:
+        return DenseLease(linear.weight, linear.bias, label=label)
+
+    if _mixed_precision_kind(linear):
+        return _mixed_precision_lease(linear, sample, stats, label, fn_w, fn_b)
+
+    dwi = getattr(getattr(ops, "disable_weight_init", None), "Linear", None)
+    if dwi is None or not isinstance(linear, dwi):
+        raise Unsupported(f"unknown Linear class {cls.__module__}.{cls.__qualname__}")
+    # classes that override forward_comfy_cast_weights (legacy fp8_ops, cublas_ops, others'
+    # packs) do more than cast + F.linear: not reproduced here.
+    if cls.forward_comfy_cast_weights is not dwi.forward_comfy_cast_weights or cls.forward is not dwi.forward:
+        raise Unsupported(f"{cls.__module__}.{cls.__qualname__} overrides the cast forward")
+    if not (getattr(linear, "comfy_cast_weights", False) or fn_w or fn_b):
+        # disable_weight_init without casting: torch.nn.Linear.forward on the parameters
+        if _is_quantized(linear.weight):
+            raise Unsupported("quantized weight on a non-casting Linear")
+        return DenseLease(linear.weight, linear.bias, label=label)
+    weight, bias, _os, transients, release = _cast_once(linear, stats, input=sample)
+    return _dense_or_dequant(weight, bias, sample, transients, release, stats, label)
+
+
+def _dequant_once(weight, release, stats):
+    try:
+        w = weight.dequantize()
+    except Exception:
+        if release is not None:
+            release()
+        raise
+    with _STATS_LOCK:
+        stats.dequants += 1
+    return w
+
+
+def _dense_or_dequant(weight, bias, sample, transients, release, stats, label):
+    if _is_quantized(weight):
+        # F.linear(bf16, QuantizedTensor) would dequantise inside every call: do it once.
+        try:
+            w = weight.dequantize()
+        except Exception:
+            release()
+            raise
+        with _STATS_LOCK:
+            stats.dequants += 1
+        transients = list(transients) + [w]
+        weight = w
+    return DenseLease(weight, bias, transients=transients, release=release, label=label)
+
+
+def _mixed_precision_lease(linear, sample, stats, label, fn_w, fn_b) -> Lease:
+    """``MixedPrecisionOps.Linear.forward`` (inference path) with the cast done once."""
+    ops = _comfy_ops()
+    mm = sys.modules.get("comfy.model_management")
+    if getattr(linear, "pre_quant_scale", None) is not None:
+        raise Unsupported("pre_quant_scale (AWQ smoothing) layer")
+    QuantizedTensor = getattr(ops, "QuantizedTensor", None)
+    QUANT_ALGOS = getattr(ops, "QUANT_ALGOS", {}) or {}
+    layout_type = getattr(linear, "layout_type", None)
+    use_quantized = (layout_type is not None
+                     and not getattr(linear, "_full_precision_mm", False)
+                     and not getattr(linear, "comfy_force_cast_weights", False)
+                     and not fn_w and not fn_b)
+    quantize_input = QUANT_ALGOS.get(getattr(linear, "quant_format", None), {}).get("quantize_input", True)
+    compute_dtype = sample.dtype
+    device = sample.device
+
+    if use_quantized and quantize_input:
+        if QuantizedTensor is None:
+            raise Unsupported("comfy.ops.QuantizedTensor missing")
+        scale = getattr(linear, "input_scale", None)
+        if not _row_independent_input_quant(layout_type, scale):
+            # e.g. NVFP4 without input_scale: per-tensor amax over ALL tokens -> chunking
+            # would change the numbers.
+            raise Unsupported(f"input quantisation of {layout_type} depends on all tokens")
+        if scale is not None:
+            scale = mm.cast_to_device(scale, device, None)
+        # cast_bias_weight(self, input=<QuantizedTensor>) derives dtype = orig_dtype = sample
+        # dtype, bias_dtype = dtype, device = input device: pass them explicitly.
+        weight, bias, _os, transients, release = _cast_once(
+            linear, stats, input=None, dtype=compute_dtype, device=device, bias_dtype=compute_dtype,
+            compute_dtype=compute_dtype, want_requant=True)
+        state = {"deq": None}
+        key = _fp8_probe_key(weight, device) if _is_quantized(weight) else None
+        if key is not None and _FP8_NATIVE.get(key) is False:
+            state["deq"] = _dequant_once(weight, release, stats)
+            transients = list(transients) + [state["deq"]]
+
+        def fn(inp, weight=weight, bias=bias, scale=scale):
+            q = QuantizedTensor.from_float(inp, layout_type, scale=scale)
+            if state["deq"] is not None:
+                # what comfy-kitchen's fallback computes (dequantize_args), weight dequantised once
+                return F.linear(q.dequantize(), state["deq"], bias)
+            if key is None or key in _FP8_NATIVE:
+                return F.linear(q, weight, bias)
+            # first call for this device/layout: does the native quantised matmul run, or
+            # does comfy-kitchen fall back to dequantising the weight inside every call?
+            probe = _FallbackProbe()
+            lg = logging.getLogger(_CK_FP8_LOGGER)
+            lg.addHandler(probe)
+            try:
+                y = F.linear(q, weight, bias)
+            finally:
+                lg.removeHandler(probe)
+            _FP8_NATIVE[key] = not probe.fell_back
+            if probe.fell_back:
+                state["deq"] = _dequant_once(weight, None, stats)
+                lease.transients.append(state["deq"])
+            return y
+        lease = CallableLease(fn, transients=transients, release=release, label=label)
+        return lease
+
+    weight_only_quant = use_quantized and not quantize_input and _is_quantized(linear.weight)
+    if weight_only_quant:
+        weight, bias, _os, transients, release = _cast_once(
+            linear, stats, input=None, dtype=linear.weight.dtype, device=device,
+            bias_dtype=compute_dtype, compute_dtype=compute_dtype, want_requant=True)
+        weight = weight.to(dtype=compute_dtype)
+        return CallableLease(lambda inp, w=weight, b=bias: F.linear(inp, w, b),
+                             transients=transients, release=release, label=label)
+
+    weight, bias, _os, transients, release = _cast_once(
+        linear, stats, input=sample, compute_dtype=compute_dtype, want_requant=False)
+    return _dense_or_dequant(weight, bias, sample, transients, release, stats, label)
+
+
+def _int8_fused_fc2_lease(fc2, h_dtype, device, stats, label) -> Optional[Lease]:
+    """``linear_input_act``'s INT8 path (activation fused into the INT8 quantiser), per chunk.
+
+    Returns None when that path would not be taken (then fc2 is an ordinary Linear call on
+    ``_swiglu_eager(x)``)."""
+    ops = _comfy_ops()
+    mm = sys.modules.get("comfy.model_management")
+    w = getattr(fc2, "weight", None)
+    if (getattr(mm, "in_training", False) or not _is_quantized(w)
+            or getattr(w, "_layout_cls", None) != "TensorWiseINT8Layout"
+            or getattr(getattr(w, "_params", None), "transposed", False)):
+        return None
+    quant_ops = getattr(ops, "quant_ops", None)
+    ck = getattr(quant_ops, "ck", None)
+    layout = getattr(ops, "TensorWiseINT8Layout", None)
+    if ck is None or layout is None:
+        raise Unsupported("INT8 fc2 but comfy-kitchen is not available")
+    weight, bias, _os, transients, release = _cast_once(
+        fc2, stats, input=None, dtype=h_dtype, device=device, bias_dtype=h_dtype,
+        compute_dtype=h_dtype, want_requant=True)
+    if not _is_quantized(weight):
+        # a LoRA / dtype change handed back a dequantised weight: eager act + F.linear
+        return DenseLease(weight, bias, transients=transients, release=release, label=label)
+    qdata, scale = layout.get_plain_tensors(weight)
+    convrot = getattr(weight._params, "convrot", False)
+    group = getattr(weight._params, "convrot_groupsize", 256)
+
+    def fn(h):
+        return ck.int8_linear(h, qdata, scale, bias, h.dtype, convrot=convrot,
+                              convrot_groupsize=group, input_act="swiglu")
+    return CallableLease(fn, transients=transients, release=release, label=label, fused_act=True)
+
+
+def _mlp_dims(module) -> tuple[int, int]:
+    fc1, fc2 = module.fc1, module.fc2
+    hidden = getattr(fc1, "in_features", None) or fc1.weight.shape[-1]
+    ffn = getattr(fc2, "in_features", None) or fc2.weight.shape[-1]
+    return int(hidden), int(ffn)
+
+
+def _unpatched(module, x):
+    return type(module).forward(module, x)
+
+
+def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any = "auto",
+                   fences: Optional[FenceBook] = GLOBAL_FENCES, stats: MlpStats = MLP_STATS,
+                   budget_bytes: Optional[int] = None) -> torch.Tensor:
+    """Replacement for ``comfy.ldm.minimax.model.MLP.forward``: same result, token chunks,
+    each weight cast once per call, transients fenced, released through ComfyUI."""
+    with _STATS_LOCK:
+        stats.calls += 1
+    S = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
+        stats.fallback("autograd enabled")
+        return _unpatched(module, x)
+    mm = sys.modules.get("comfy.model_management")
+    if getattr(mm, "in_training", False):
+        stats.fallback("comfy in_training")
+        return _unpatched(module, x)
+    hidden, ffn = _mlp_dims(module)
+    c = resolve_chunk(chunk_setting, S, hidden, ffn, x.dtype, x.device, budget_bytes)
+    if c >= S:
+        with _STATS_LOCK:
+            stats.passthrough += 1
+        return _unpatched(module, x)
+    if getattr(_comfy_ops(), "linear_input_act", None) is None:
+        stats.fallback("comfy.ops.linear_input_act missing")
+        return _unpatched(module, x)
+
+    x2, lead = _flatten_tokens(x)
+    sample = x2[:1]
+    fc1 = fc2 = None
+    try:
+        fc1 = comfy_linear_lease(module.fc1, sample, stats, label="fc1")
+        fc2 = _int8_fused_fc2_lease(module.fc2, x.dtype, x.device, stats, "fc2")
+        if fc2 is None:
+            # fc1's output (the fc2 input) has x's dtype in every path reproduced here
+            fc2 = comfy_linear_lease(module.fc2, torch.empty((1, ffn), dtype=x.dtype, device=x.device),
+                                     stats, label="fc2")
+    except Unsupported as e:
+        for lease in (fc1, fc2):
+            if lease is not None:
+                lease.release()
+        stats.fallback(str(e))
+        return _unpatched(module, x)
+    except BaseException:
+        for lease in (fc1, fc2):
+            if lease is not None:
+                lease.release()
+        raise
+
+    # Both casts are done before any chunk reads them.  If ComfyUI handed both out of the
+    # same stream cast buffer (one offload stream), fc2's copy overwrote fc1's weight:
+    # give both back untouched and run ComfyUI's own forward.
+    fc1_reads = [getattr(fc1, "weight", None), getattr(fc1, "bias", None)] + list(fc1.transients)
+    if _overlap(fc1_reads, list(fc2.transients)):
+        fc1.release()
+        fc2.release()
+        stats.fallback("fc1 and fc2 cast into the same buffer")
+        return _unpatched(module, x)
+
+    with _STATS_LOCK:
+        stats.chunked_calls += 1
+    y = run_chunked_mlp(x2, fc1, fc2, c, fences=fences, stats=stats, fence_label="h3_mlp")
+    return y.reshape(*lead, y.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------
+# installation on a ModelPatcher
+# ---------------------------------------------------------------------------------------
+class H3ChunkedMLPForward:
+    """Bound replacement for one MLP's ``forward`` (object-patched by key)."""
+
+    _safesage_mlp = True
+
+    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any,
+                 fences: Optional[FenceBook], stats: MlpStats = MLP_STATS):
+        self.module = module
+        self.path = path
+        self.chunk_setting = parse_chunk_setting(chunk_setting)
+        self.fences = fences
+        self.stats = stats
+
+    def __call__(self, x, *args, **kwargs):
+        if args or kwargs:   # not the H3 signature: never guess
+            self.stats.fallback("unexpected MLP.forward arguments")
+            return type(self.module).forward(self.module, x, *args, **kwargs)
+        return h3_mlp_forward(self.module, x, self.chunk_setting, self.fences, self.stats)
+
+    def __repr__(self):
+        return f"H3ChunkedMLPForward({self.path}, chunk={self.chunk_setting!r})"
+
+
+def _is_h3_mlp(m: Any) -> bool:
+    t = type(m)
+    return t.__name__ == H3_MLP_CLASS and t.__module__ == H3_MODEL_MODULE
+
+
+def find_h3_mlps(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every MiniMax H3 ``MLP`` (blocks and token-refiner blocks)."""
+    return [(name, m) for name, m in diffusion_model.named_modules() if _is_h3_mlp(m)]
+
+
+def is_h3_model(diffusion_model: Any) -> bool:
+    t = type(diffusion_model)
+    return t.__name__ == H3_MODEL_CLASS and t.__module__ == H3_MODEL_MODULE
+
+
+def _own_bound_forward(fn: Any, module: Any) -> bool:
+    """ModelPatcher.unpatch_model restores a patched attribute by setting the backed-up value,
+    which for ``forward`` is the module's own bound method: not a foreign patch."""
+    return getattr(fn, "__self__", None) is module and \
+        getattr(fn, "__func__", None) is getattr(type(module), "forward", None)
+
+
+def _diffusion_model(model_patcher) -> Any:
+    model = getattr(model_patcher, "model", None)
+    return getattr(model, "diffusion_model", None)
+
+
+def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
+                           fences: Optional[FenceBook] = GLOBAL_FENCES) -> dict:
+    """Object-patch every H3 MLP forward of ``model_patcher`` with the chunked forward.
+
+    Returns ``{"patched": n, "skipped": reason or None, "conflicts": [...]}``.
+    Idempotent: our own patch on a key is replaced (new setting), never wrapped.  A
+    foreign object patch on a key is left in place and listed in ``conflicts``.
+    ``chunk_setting == "off"`` removes this module's patches (patched 0).
+    """
+    result = {"patched": 0, "skipped": None, "conflicts": [], "removed": 0}
+    setting = parse_chunk_setting(chunk_setting)
+    dm = _diffusion_model(model_patcher)
+    if dm is None:
+        result["skipped"] = "model patcher has no diffusion_model"
+        return result
+    mlps = find_h3_mlps(dm)
+    if not mlps:
+        t = type(dm)
+        result["skipped"] = (f"not a MiniMax H3 model ({t.__module__}.{t.__qualname__})"
+                             if not is_h3_model(dm) else "MiniMax H3 model without MLP modules")
+        return result
+    add = getattr(model_patcher, "add_object_patch", None)
+    patches = getattr(model_patcher, "object_patches", None)
+    if add is None or patches is None:
+        result["skipped"] = "model patcher has no add_object_patch"
+        return result
+
+    for path, module in mlps:
+        key = f"diffusion_model.{path}.forward"
+        existing = patches.get(key)
+        ours = existing is not None and getattr(existing, "_safesage_mlp", False)
+        if setting == "off":
+            if ours:
+                del patches[key]
+                result["removed"] += 1
+            continue
+        if existing is not None and not ours:
+            result["conflicts"].append({"key": key, "kind": "object_patch",
+                                        "existing": repr(existing)[:200]})
+            continue
+        inst = module.__dict__.get("forward")
+        if inst is not None and not getattr(inst, "_safesage_mlp", False) and not _own_bound_forward(inst, module):
+            result["conflicts"].append({"key": key, "kind": "instance_forward",
+                                        "existing": repr(inst)[:200]})
+            continue
+        add(key, H3ChunkedMLPForward(module, path, setting, fences))
+        result["patched"] += 1
+
+    if setting == "off":
+        result["skipped"] = "MLP chunking off"
+    # postcondition: read back what we set
+    for path, _m in mlps:
+        key = f"diffusion_model.{path}.forward"
+        got = patches.get(key)
+        if setting != "off" and not any(c["key"] == key for c in result["conflicts"]):
+            if not getattr(got, "_safesage_mlp", False):
+                raise RuntimeError(f"SafeSage: object patch {key} did not take")
+    return result

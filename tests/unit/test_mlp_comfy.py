@@ -1,0 +1,449 @@
+"""safe_ops.mlp against ComfyUI's own classes (CPU).
+
+Needs a ComfyUI tree with MiniMax H3 (0dd9b154 or newer): set COMFYUI_PATH. Without it every
+test here is skipped with the reason printed. ``comfy.model_patcher`` needs torchvision, which a
+CPU-only torch 2.13 venv cannot import, so installation is checked on a stand-in patcher that
+has ModelPatcher's ``object_patches`` / ``add_object_patch`` contract and applies patches with
+``comfy.utils.set_attr`` the way ``ModelPatcher.patch_model`` does; the real ModelPatcher is
+used when it imports.
+
+What is proved here:
+* the chunked forward returns ComfyUI's numbers (unpatched ``MLP.forward``) for manual_cast
+  Linears, LoRA-style ``weight_function``s and fp8 ``QuantizedTensor`` (mixed_precision_ops)
+  weights;
+* ``comfy.ops.cast_bias_weight`` is called once per Linear per MLP call (2 per call), where
+  calling the layers per chunk casts (and runs the LoRA function) once per chunk;
+* transient weights go to ``FenceBook.hold`` after the last chunk and before
+  ``comfy.ops.uncast_bias_weight``;
+* install: every H3 MLP of a tiny MiniMaxH3Model patched, idempotent, foreign patches reported.
+"""
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+COMFYUI_PATH = os.environ.get("COMFYUI_PATH")
+if not COMFYUI_PATH or not os.path.isfile(os.path.join(COMFYUI_PATH, "comfy", "ops.py")):
+    _reason = "COMFYUI_PATH not set (point it at a ComfyUI tree with MiniMax H3, e.g. 0dd9b154)"
+    print(f"\n[test_mlp_comfy] skipped: {_reason}")
+    pytest.skip(_reason, allow_module_level=True)
+
+if COMFYUI_PATH not in sys.path:
+    sys.path.insert(0, COMFYUI_PATH)
+import comfy.cli_args  # noqa: E402
+
+comfy.cli_args.args.cpu = True  # before comfy.model_management is imported
+try:
+    import comfy.model_management  # noqa: E402,F401
+    import comfy.ops  # noqa: E402
+    import comfy.utils  # noqa: E402
+    from comfy.quant_ops import QuantizedTensor  # noqa: E402
+except Exception as e:  # pragma: no cover - environment
+    print(f"\n[test_mlp_comfy] skipped: ComfyUI import failed: {e!r}")
+    pytest.skip(f"ComfyUI import failed: {e!r}", allow_module_level=True)
+try:
+    import comfy.ldm.minimax.model as h3  # noqa: E402
+except Exception as e:  # pragma: no cover - environment
+    print(f"\n[test_mlp_comfy] skipped: comfy.ldm.minimax.model does not import: {e!r}")
+    pytest.skip(f"comfy.ldm.minimax.model does not import: {e!r}", allow_module_level=True)
+if getattr(comfy.ops, "linear_input_act", None) is None:  # pragma: no cover
+    pytest.skip("this ComfyUI has no comfy.ops.linear_input_act", allow_module_level=True)
+
+from safe_ops import mlp  # noqa: E402
+from safe_ops.fences import FenceBook  # noqa: E402
+
+HIDDEN, FFN = 64, 96
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+class CastCounter:
+    """Counts comfy.ops.cast_bias_weight / uncast_bias_weight calls (all callers: the layers
+    look the names up in comfy.ops' globals at call time)."""
+
+    def __init__(self, monkeypatch, log=None):
+        self.casts = 0
+        self.uncasts = 0
+        self.log = log if log is not None else []
+        cast, uncast = comfy.ops.cast_bias_weight, comfy.ops.uncast_bias_weight
+
+        def counted_cast(*a, **k):
+            self.casts += 1
+            self.log.append("cast")
+            return cast(*a, **k)
+
+        def counted_uncast(*a, **k):
+            self.uncasts += 1
+            self.log.append("uncast")
+            return uncast(*a, **k)
+
+        monkeypatch.setattr(comfy.ops, "cast_bias_weight", counted_cast)
+        monkeypatch.setattr(comfy.ops, "uncast_bias_weight", counted_uncast)
+
+
+def _init_linear(lin, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(lin.out_features, lin.in_features, generator=g) * lin.in_features ** -0.5
+    lin.weight = torch.nn.Parameter(w.to(dtype), requires_grad=False)
+    if lin.bias is not None:
+        lin.bias = torch.nn.Parameter(torch.zeros(lin.out_features, dtype=dtype), requires_grad=False)
+
+
+def manual_cast_mlp(dtype=torch.bfloat16, weight_dtype=None):
+    m = h3.MLP(HIDDEN, FFN, dtype=dtype, device="cpu", operations=comfy.ops.manual_cast)
+    _init_linear(m.fc1, weight_dtype or dtype, 1)
+    _init_linear(m.fc2, weight_dtype or dtype, 2)
+    return m
+
+
+def _fp8_state(lin, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(lin.out_features, lin.in_features, generator=g) * lin.in_features ** -0.5
+    scale = w.abs().amax() / 448.0
+    return {
+        "weight": (w / scale).to(torch.float8_e4m3fn),
+        "weight_scale": scale.float(),
+        "comfy_quant": torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8),
+    }
+
+
+def fp8_mlp(compute_dtype=torch.bfloat16):
+    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=compute_dtype)
+    m = h3.MLP(HIDDEN, FFN, dtype=compute_dtype, device="cpu", operations=ops)
+    m.fc1.load_state_dict(_fp8_state(m.fc1, 11), strict=False)
+    m.fc2.load_state_dict(_fp8_state(m.fc2, 12), strict=False)
+    assert isinstance(m.fc1.weight, QuantizedTensor) and m.fc1.layout_type
+    return m
+
+
+def _x(S, dtype=torch.bfloat16, seed=5):
+    return torch.randn(S, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _unpatched(m, x):
+    return type(m).forward(m, x)
+
+
+def _per_chunk_unpatched(m, x, chunk):
+    return torch.cat([_unpatched(m, x[a:a + chunk]) for a in range(0, x.shape[0], chunk)])
+
+
+def _check_equal(got, m, x, chunk):
+    """Bitwise vs ComfyUI's unpatched forward; where the CPU matmul is not row independent
+    (see test_mlp.py) bitwise vs ComfyUI's forward run per chunk and 1e-5 rel vs unchunked."""
+    ref = _unpatched(m, x)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    if torch.equal(got, ref):
+        return 0.0
+    assert torch.equal(got, _per_chunk_unpatched(m, x, chunk))
+    err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err <= 1e-5
+    return err
+
+
+@pytest.fixture
+def stats():
+    return mlp.MlpStats()
+
+
+# ---------------------------------------------------------------------------------------
+# numerics + casts
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_manual_cast_chunked_equals_unpatched_one_cast_per_linear(monkeypatch, stats, dtype):
+    m = manual_cast_mlp(dtype)
+    x = _x(333, dtype)
+    cc = CastCounter(monkeypatch)
+    y = mlp.h3_mlp_forward(m, x, 64, fences=None, stats=stats)
+    n_chunks = -(-333 // 64)
+    assert cc.casts == 2 and cc.uncasts == 2, "one cast per Linear per MLP call"
+    assert stats.casts == 2 and stats.chunks == n_chunks and stats.chunked_calls == 1
+    # the naive alternative (ComfyUI's layers called per chunk) casts once per chunk
+    cc.casts = 0
+    _per_chunk_unpatched(m, x, 64)
+    assert cc.casts == 2 * n_chunks
+    _check_equal(y, m, x, 64)
+
+
+def test_weight_function_lora_runs_once_per_call(monkeypatch, stats):
+    """A LoRA weight_function makes every ComfyUI Linear call re-patch the weight."""
+    m = manual_cast_mlp(torch.bfloat16)
+    calls = {"fc1": 0, "fc2": 0}
+    deltas = {}
+    for name in ("fc1", "fc2"):
+        lin = getattr(m, name)
+        d = torch.randn(lin.weight.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16) * 0.01
+        deltas[name] = d
+
+        def fn(w, name=name, d=d):
+            calls[name] += 1
+            return w + d
+        lin.weight_function = [fn]
+    x = _x(500)
+    cc = CastCounter(monkeypatch)
+    y = mlp.h3_mlp_forward(m, x, 128, fences=None, stats=stats)
+    assert calls == {"fc1": 1, "fc2": 1} and cc.casts == 2
+    calls.update(fc1=0, fc2=0)
+    _check_equal(y, m, x, 128)
+    assert calls["fc1"] == 1  # the unpatched reference, once
+    calls.update(fc1=0, fc2=0)
+    _per_chunk_unpatched(m, x, 128)
+    assert calls == {"fc1": 4, "fc2": 4}
+
+
+def test_fp8_quantized_weights_native_path(monkeypatch, stats):
+    """mixed_precision_ops fp8: the quantised matmul (comfy-kitchen _scaled_mm) runs per chunk
+    on the ONE cast weight; no dequantisation; ComfyUI's numbers."""
+    m = fp8_mlp()
+    x = _x(700)
+    cc = CastCounter(monkeypatch)
+    y = mlp.h3_mlp_forward(m, x, 256, fences=None, stats=stats)
+    assert cc.casts == 2 and stats.dequants == 0
+    assert torch.equal(y, _unpatched(m, x))
+
+
+def test_fp8_fallback_dequantises_once(monkeypatch, stats):
+    """Where comfy-kitchen would fall back to dequantising inside every call, the weight is
+    dequantised ONCE and each chunk computes what that fallback computes."""
+    m = fp8_mlp()
+    x = _x(300)
+    key = mlp._fp8_probe_key(m.fc1.weight, x.device)
+    monkeypatch.setitem(mlp._FP8_NATIVE, key, False)
+    deq = {"n": 0}
+    orig = QuantizedTensor.dequantize
+
+    def counting(self, *a, **k):
+        if self._qdata.shape in ((2 * FFN, HIDDEN), (HIDDEN, FFN)):
+            deq["n"] += 1
+        return orig(self, *a, **k)
+    monkeypatch.setattr(QuantizedTensor, "dequantize", counting)
+    cc = CastCounter(monkeypatch)
+    y = mlp.h3_mlp_forward(m, x, 50, fences=None, stats=stats)   # 50 rows: no input matches a weight shape
+    assert cc.casts == 2 and stats.dequants == 2 and deq["n"] == 2
+    w1, w2 = orig(m.fc1.weight), orig(m.fc2.weight)
+    q = comfy.ops.QuantizedTensor.from_float
+    h = F.linear(q(x, m.fc1.layout_type, scale=None).dequantize(), w1)
+    gate, up = h.chunk(2, -1)
+    ref = F.linear(q(F.silu(gate).mul_(up), m.fc2.layout_type, scale=None).dequantize(), w2)
+    assert torch.equal(y, ref)
+
+
+def test_fp8_with_lora_dequantised_in_cast_once(monkeypatch, stats):
+    m = fp8_mlp()
+    n = {"c": 0}
+
+    def fn(w):
+        n["c"] += 1
+        return w * 1.01
+    m.fc1.weight_function = [fn]
+    x = _x(400)
+    cc = CastCounter(monkeypatch)
+    y = mlp.h3_mlp_forward(m, x, 100, fences=None, stats=stats)
+    assert cc.casts == 2 and n["c"] == 1
+    _check_equal(y, m, x, 100)
+
+
+# ---------------------------------------------------------------------------------------
+# fences and release order
+# ---------------------------------------------------------------------------------------
+class SpyBook(FenceBook):
+    def __init__(self, log):
+        super().__init__(event_factory=lambda: pytest.fail("CPU tensors are not fenced"))
+        self.log = log
+        self.held = []
+
+    def hold(self, tensors, stream=None, label=""):
+        tensors = list(tensors)
+        self.held.append(tensors)
+        self.log.append("hold")
+        return super().hold(tensors, stream, label)
+
+
+def test_transients_handed_to_fence_before_comfy_release(monkeypatch, stats):
+    m = manual_cast_mlp(torch.bfloat16)
+    m.fc1.weight_function = [lambda w: w * 2]   # forces a transient (patched copy) for fc1
+    log = []
+    cc = CastCounter(monkeypatch, log)
+    book = SpyBook(log)
+    mlp.h3_mlp_forward(m, _x(300), 100, fences=book, stats=stats)
+    assert log == ["cast", "cast", "hold", "uncast", "uncast"]
+    assert cc.casts == 2 and stats.fenced == 1
+    held = book.held[0]
+    assert held and all(isinstance(t, torch.Tensor) for t in held)
+    assert not any(t is m.fc1.weight or t is m.fc2.weight for t in held), "parameters are not transients"
+    assert any(t.shape == m.fc1.weight.shape for t in held), "fc1's patched copy is fenced"
+
+
+def test_shared_cast_buffer_falls_back(monkeypatch, stats):
+    """If ComfyUI hands fc1 and fc2 out of the same cast buffer (one offload stream), fc2's
+    copy would overwrite fc1's weight: give both back, run ComfyUI's forward, count it."""
+    m = manual_cast_mlp(torch.float32)
+    shared = torch.empty(2 * FFN * HIDDEN + 16)
+    real = comfy.ops.cast_bias_weight
+
+    def fake(s, input=None, dtype=None, device=None, bias_dtype=None, offloadable=False, **kw):
+        w = shared[: s.weight.numel()].view(s.weight.shape)
+        w.copy_(s.weight)
+        return w, None, (object(), shared, None)
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", fake)
+    released = []
+    monkeypatch.setattr(comfy.ops, "uncast_bias_weight", lambda *a: released.append(a[0]))
+    x = _x(200, torch.float32)
+    y = mlp.h3_mlp_forward(m, x, 50, fences=None, stats=stats)
+    # ours given back first, then ComfyUI's own forward casts/releases per layer as usual
+    assert released == [m.fc1, m.fc2, m.fc1, m.fc2]
+    assert stats.fallbacks == {"fc1 and fc2 cast into the same buffer": 1} and stats.chunked_calls == 0
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", real)
+    assert torch.equal(y, _unpatched(m, x))
+
+
+def test_passthrough_and_unsupported(monkeypatch, stats):
+    m = manual_cast_mlp(torch.bfloat16)
+    x = _x(100)
+    cc = CastCounter(monkeypatch)
+    assert torch.equal(mlp.h3_mlp_forward(m, x, 100, fences=None, stats=stats), _unpatched(m, x))
+    assert stats.passthrough == 1 and stats.chunked_calls == 0
+    assert torch.equal(mlp.h3_mlp_forward(m, x, "off", fences=None, stats=stats), _unpatched(m, x))
+    # a Linear class that overrides the cast forward (e.g. legacy fp8_ops): ComfyUI's forward, counted
+    m2 = h3.MLP(HIDDEN, FFN, dtype=torch.bfloat16, device="cpu", operations=comfy.ops.fp8_ops)
+    _init_linear(m2.fc1, torch.bfloat16, 1)
+    _init_linear(m2.fc2, torch.bfloat16, 2)
+    cc.casts = 0
+    y = mlp.h3_mlp_forward(m2, x, 16, fences=None, stats=stats)
+    assert torch.equal(y, _unpatched(m2, x))
+    assert any("overrides the cast forward" in k for k in stats.fallbacks)
+    assert stats.casts == 0, "nothing cast before deciding to fall back"
+
+
+# ---------------------------------------------------------------------------------------
+# installation
+# ---------------------------------------------------------------------------------------
+H3_CONFIG = dict(
+    hidden_size=64, num_layers=2, token_refiner_num_layers=1, num_attention_heads=2,
+    attention_head_dim=32, ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32,
+    text_dim=1024, timestep_input_dim=256, time_embed_hidden_size=64, time_embed_dim=64,
+    rope_inv_freq_len=16,
+)
+
+
+class StandInPatcher:
+    """ModelPatcher's object-patch contract (0dd9b154 comfy/model_patcher.py)."""
+
+    def __init__(self, diffusion_model):
+        self.model = torch.nn.Module()
+        self.model.diffusion_model = diffusion_model
+        self.object_patches = {}
+        self.object_patches_backup = {}
+
+    def add_object_patch(self, name, obj):
+        self.object_patches[name] = obj
+
+    def patch(self):
+        for k in self.object_patches:
+            old = comfy.utils.set_attr(self.model, k, self.object_patches[k])
+            if k not in self.object_patches_backup:
+                self.object_patches_backup[k] = old
+
+    def unpatch(self):
+        for k in list(self.object_patches_backup):
+            comfy.utils.set_attr(self.model, k, self.object_patches_backup[k])
+        self.object_patches_backup.clear()
+
+
+def _tiny_h3():
+    return h3.MiniMaxH3Model(**H3_CONFIG, dtype=torch.bfloat16, device="cpu",
+                             operations=comfy.ops.manual_cast)
+
+
+def _patcher(dm):
+    try:
+        import comfy.model_patcher
+        return comfy.model_patcher.ModelPatcher(torch.nn.Module(), torch.device("cpu"), torch.device("cpu")), True
+    except Exception as e:
+        print(f"\n[test_mlp_comfy] real ModelPatcher unavailable ({e!r}); using the stand-in")
+        return StandInPatcher(dm), False
+
+
+def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
+    dm = _tiny_h3()
+    for mod in dm.modules():
+        if isinstance(mod, torch.nn.Linear):
+            _init_linear(mod, torch.bfloat16, 3)
+    p = StandInPatcher(dm)
+    n_expected = H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
+    r = mlp.install_h3_mlp_patches(p, 32)
+    assert r == {"patched": n_expected, "skipped": None, "conflicts": [], "removed": 0}
+    keys = sorted(p.object_patches)
+    assert keys == sorted(f"diffusion_model.{n}.forward" for n, _ in mlp.find_h3_mlps(dm))
+    assert any(".token_refiner." in k for k in keys) and any(k.startswith("diffusion_model.blocks.") for k in keys)
+    first = dict(p.object_patches)
+    r2 = mlp.install_h3_mlp_patches(p, "auto")
+    assert r2["patched"] == n_expected and r2["conflicts"] == []
+    assert len(p.object_patches) == n_expected
+    for k, v in p.object_patches.items():
+        assert v is not first[k] and v.chunk_setting == "auto"
+        assert not isinstance(getattr(v, "module", None), mlp.H3ChunkedMLPForward)  # never wraps ours
+
+    # applied the way ModelPatcher.patch_model does: calls go through the chunked forward
+    p.patch()
+    stats_before = mlp.MLP_STATS.calls
+    mod = dm.blocks[0].mlp
+    x = _x(100)
+    with torch.no_grad():
+        y = mod(x)
+    assert mlp.MLP_STATS.calls == stats_before + 1
+    p.unpatch()
+    assert "forward" not in mod.__dict__ or not getattr(mod.__dict__["forward"], "_safesage_mlp", False)
+    # "auto" on CPU: the tokens fit the budget -> ComfyUI's own forward (passthrough)
+    assert torch.equal(y, _unpatched(mod, x))
+
+    # a foreign patch on one key is reported, not replaced
+    foreign_key = keys[0]
+    foreign = lambda x: x  # noqa: E731
+    p.object_patches[foreign_key] = foreign
+    r3 = mlp.install_h3_mlp_patches(p, 64)
+    assert r3["patched"] == n_expected - 1
+    assert [c["key"] for c in r3["conflicts"]] == [foreign_key]
+    assert p.object_patches[foreign_key] is foreign
+
+    # off removes ours, leaves the foreign one
+    r4 = mlp.install_h3_mlp_patches(p, "off")
+    assert r4["patched"] == 0 and r4["removed"] == n_expected - 1 and r4["skipped"] == "MLP chunking off"
+    assert p.object_patches == {foreign_key: foreign}
+
+
+def test_patched_tiny_h3_mlp_chunked_through_object_patch():
+    dm = _tiny_h3()
+    for mod in dm.modules():
+        if isinstance(mod, torch.nn.Linear):
+            _init_linear(mod, torch.bfloat16, 4)
+    p = StandInPatcher(dm)
+    mlp.install_h3_mlp_patches(p, 48)
+    p.patch()
+    mod = dm.token_refiner.blocks[0].mlp
+    x = _x(200)
+    chunks0 = mlp.MLP_STATS.chunks
+    with torch.no_grad():
+        y = mod(x)
+    p.unpatch()
+    assert mlp.MLP_STATS.chunks == chunks0 + 5
+    assert torch.equal(y, _unpatched(mod, x))
+
+
+def test_real_model_patcher_if_available():
+    try:
+        import comfy.model_patcher
+    except Exception as e:
+        print(f"\n[test_mlp_comfy] skipped: comfy.model_patcher does not import here: {e!r}")
+        pytest.skip(f"comfy.model_patcher does not import here (needs torchvision): {e!r}")
+    dm = _tiny_h3()
+    base = torch.nn.Module()
+    base.diffusion_model = dm
+    mp = comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
+    r = mlp.install_h3_mlp_patches(mp, 64)
+    assert r["patched"] == H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
+    assert mlp.install_h3_mlp_patches(mp, 64)["patched"] == r["patched"]
