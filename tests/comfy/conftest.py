@@ -1,0 +1,73 @@
+"""Fixtures for tests/comfy/: one real headless ComfyUI server per pytest session.
+
+See comfy_server.py for how it is started. Without a usable COMFYUI_PATH (and outside
+`bash .ci/run`, which sets one up) every test here is skipped with the reason printed (-rs).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from comfy_server import (HERE, PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer,
+                          comfy_path_problem, has_minimax_h3)
+
+
+def pytest_collection_modifyitems(config, items):
+    problem = comfy_path_problem()
+    if problem is None:
+        return
+    skip = pytest.mark.skip(reason=problem)
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def comfy(tmp_path_factory):
+    """The session's ComfyUI server, started once, with the pack and the test nodes loaded."""
+    problem = comfy_path_problem()
+    if problem:
+        pytest.skip(problem)
+    base = tmp_path_factory.mktemp("comfy_base")
+    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE / "test_nodes"})
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_sd2(comfy):
+    """A tiny SD2-class UNet in the server's diffusion_models folder (generated once)."""
+    return comfy.make_model("sd2", "safesage_tiny_sd2.safetensors", seed=1234)
+
+
+@pytest.fixture(scope="session")
+def tiny_h3(comfy):
+    if not has_minimax_h3():
+        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py); the H3 tests "
+                    "need ComfyUI 0dd9b154 or later (see DEVELOPERS.md)" % os.environ.get("COMFYUI_PATH"))
+    return comfy.make_model("h3", "safesage_tiny_h3_fp8.safetensors", seed=4321)
+
+
+@pytest.fixture
+def seed_counter():
+    """Distinct seeds across the session: ComfyUI caches identical prompts."""
+    return _SEEDS
+
+
+class _Seeds:
+    def __init__(self):
+        self.n = int(time.time()) % 100000 * 10
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+_SEEDS = _Seeds()

@@ -1,0 +1,115 @@
+"""The pack as a real ComfyUI server sees it: node schema, load log, validation and runtime errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from comfy_graphs import sd2_graph
+from comfy_server import PACK_DIR_NAME, execution_error
+
+EXPECTED_MODULE = "custom_nodes." + PACK_DIR_NAME
+
+
+def _combo_options(spec):
+    """Options of a combo input in /object_info, V1 style ([[opts], {...}]) or V3 style
+    (["COMBO", {"options": [...]}])."""
+    if isinstance(spec[0], list):
+        return spec[0]
+    assert spec[0] == "COMBO", spec
+    return spec[1]["options"]
+
+
+def test_node_in_object_info(comfy):
+    info = comfy.object_info()
+    assert "SafeSageAttention" in info, (
+        "SafeSageAttention missing from /object_info; pack log lines:\n"
+        + "\n".join(l for l in comfy.logs().splitlines() if "SafeSage" in l or "IMPORT FAILED" in l))
+    node = info["SafeSageAttention"]
+    assert node["python_module"] == EXPECTED_MODULE
+    req = node["input"]["required"]
+    assert list(req) == ["model", "kernel", "mlp_chunking", "mlp_chunk_tokens", "verify", "debug_sync"]
+    assert req["model"][0] == "MODEL"
+    assert _combo_options(req["kernel"]) == ["auto", "sage", "sdpa"]
+    assert _combo_options(req["mlp_chunking"]) == ["auto", "off", "tokens"]
+    assert len(_combo_options(req["verify"])) >= 2
+    assert req["mlp_chunk_tokens"][0] == "INT"
+    assert req["debug_sync"][0] == "BOOLEAN"
+    assert req["debug_sync"][1].get("default") is False
+    for name, spec in req.items():
+        assert len(spec) > 1 and spec[1].get("tooltip"), "input %r has no tooltip" % name
+    assert node["output"] == ["MODEL"]
+
+
+def test_pack_loaded_cleanly(comfy):
+    logs = comfy.logs()
+    # ComfyUI's import-time summary: "<secs> seconds[ (IMPORT FAILED)]: <path>/custom_nodes/<dir>"
+    lines = [l for l in logs.splitlines() if re.search(r"seconds.*custom_nodes[/\\]%s\s*$" % re.escape(PACK_DIR_NAME), l)]
+    assert lines, "no import-time line for %s in /internal/logs" % PACK_DIR_NAME
+    assert not any("IMPORT FAILED" in l for l in lines), lines
+    assert "Cannot import" not in logs or PACK_DIR_NAME not in "".join(
+        l for l in logs.splitlines() if "Cannot import" in l)
+    assert "SafeSage: IMPORT FAILED" not in logs
+    # the shim of the CI venv never hides a failure of the pack itself
+    assert not any("IMPORT FAILED" in l and "SafeSage" in l for l in logs.splitlines())
+
+
+def _errors_text(errs):
+    return " ".join("%s %s" % (e.get("message", ""), e.get("details", "")) for e in errs)
+
+
+def test_bad_node_input_is_rejected_with_node_errors(comfy, tiny_sd2, seed_counter):
+    unet = os.path.basename(tiny_sd2["path"])
+    # out of the INT input's declared range: ComfyUI itself rejects it at /prompt
+    res = comfy.post_prompt(sd2_graph(unet, seed_counter(), "bad_tokens", safesage={"mlp_chunk_tokens": 1}))
+    assert isinstance(res, dict), "mlp_chunk_tokens=1 was accepted (prompt id %r)" % res
+    assert res["error"]["type"] == "prompt_outputs_failed_validation", res
+    assert res["node_errors"]["10"]["class_type"] == "SafeSageAttention"
+    assert "mlp_chunk_tokens" in _errors_text(res["node_errors"]["10"]["errors"])
+
+    # an unknown node type
+    g = sd2_graph(unet, seed_counter(), "bad_type", safesage={})
+    g["10"]["class_type"] = "SafeSageAttentionDoesNotExist"
+    res = comfy.post_prompt(g)
+    assert isinstance(res, dict), res
+    # 0.3.75 says invalid_prompt, newer ComfyUI missing_node_type; both name the node
+    assert res["error"]["type"] in ("missing_node_type", "invalid_prompt"), res
+    assert "SafeSageAttentionDoesNotExist" in json.dumps(res), res
+    assert comfy.alive()
+
+
+def test_bad_combo_value_gives_a_clear_error(comfy, tiny_sd2, seed_counter):
+    """ComfyUI 0.3.75 / 0dd9b154 do not check V3 combo values at /prompt, so an unknown kernel
+    (e.g. from a hand-edited or newer workflow) must be refused by the node: either at
+    validation (400, node_errors on the node) or when it runs (execution_error on the node), with
+    a message naming the input and the bad value. Never silently sampled with some default."""
+    pid = comfy.post_prompt(sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "bad_kernel",
+                                      safesage={"kernel": "flash-turbo"}))
+    if isinstance(pid, dict):
+        assert pid["node_errors"]["10"]["class_type"] == "SafeSageAttention", pid
+        text = _errors_text(pid["node_errors"]["10"]["errors"])
+    else:
+        entry = comfy.wait_history(pid)
+        assert entry["status"]["status_str"] == "error", "kernel='flash-turbo' ran without an error"
+        err = execution_error(entry)
+        assert err["node_type"] == "SafeSageAttention", err
+        text = err["exception_message"]
+    assert "kernel" in text and "flash-turbo" in text, text
+    assert comfy.alive()
+
+
+def test_runtime_error_is_reported_and_server_survives(comfy, tiny_sd2, seed_counter):
+    corrupt = comfy.models_dir / "safesage_corrupt.safetensors"
+    corrupt.write_bytes(b"\x00\x00\x00\x00\x00\x00\x00\x10{not a safetensors header" + os.urandom(256))
+    pid = comfy.post_prompt(sd2_graph(corrupt.name, seed_counter(), "corrupt", safesage={}))
+    assert isinstance(pid, str), pid
+    entry = comfy.wait_history(pid)
+    assert entry["status"]["status_str"] == "error"
+    err = execution_error(entry)
+    assert err is not None, entry["status"]
+    assert err["node_type"] == "UNETLoader", err
+    assert err["exception_message"], err
+    assert comfy.alive()
+    # and the next good prompt, through the node, still runs
+    comfy.run(sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "after_error", safesage={}))

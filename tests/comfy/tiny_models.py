@@ -1,0 +1,175 @@
+"""Write tiny random-weight diffusion models with ComfyUI's own model classes (no downloads).
+
+Run as a script with the server's python, from anywhere; COMFYUI_PATH must point at the ComfyUI
+tree under test (it is put on sys.path here):
+
+    python tiny_models.py sd2 OUT.safetensors [--seed N]
+    python tiny_models.py h3  OUT.safetensors [--seed N]     (ComfyUI trees with MiniMax H3 only)
+
+Prints one JSON line on stdout describing what was written (detected model class, counts the tests
+use to derive expected numbers).
+
+sd2: an SD2-class UNet, one level (model_channels 320, context_dim 1024, linear transformer):
+     ComfyUI detects it as SD20 and LotusConditioning's [1, 2, 1024] embedding fits its context.
+h3:  a MiniMax H3 DiT: hidden 64, 1 block + 1 token-refiner block, 2 heads x 32, ffn 128,
+     text_dim 1024. Fan-in-scaled init (std = fan_in**-0.5) so that the adaLN gates are O(1) and
+     every block changes the output (with std 0.02 the blocks are no-ops and tests pass
+     vacuously). The block and refiner Linear weights are stored fp8 e4m3 scaled, in the
+     encoding that loads as QuantizedTensor on ComfyUI 0.3.75 and 0dd9b154: per layer a 0-d fp32
+     `<layer>.weight_scale` (= amax/448), the weight as (w/scale).to(float8_e4m3fn), and the
+     layer listed in the safetensors metadata `_quantization_metadata`.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def _setup_comfy():
+    root = os.environ.get("COMFYUI_PATH")
+    if not root or not os.path.isfile(os.path.join(root, "comfy", "model_management.py")):
+        sys.exit("COMFYUI_PATH must point at a ComfyUI tree")
+    sys.path.insert(0, root)
+    import comfy.cli_args
+
+    comfy.cli_args.args.cpu = True  # before model_management is imported
+    return root
+
+
+SD2_UNET_CONFIG = {
+    "use_checkpoint": False,
+    "image_size": 32,
+    "use_spatial_transformer": True,
+    "legacy": False,
+    "adm_in_channels": None,
+    "in_channels": 4,
+    "out_channels": 4,
+    "model_channels": 320,
+    "num_res_blocks": [1],
+    "channel_mult": [1],
+    "transformer_depth": [1],
+    "transformer_depth_output": [1, 1],
+    "transformer_depth_middle": 1,
+    "context_dim": 1024,
+    "use_linear_in_transformer": True,
+    "use_temporal_attention": False,
+    "use_temporal_resblock": False,
+}
+
+
+def make_sd2(out, seed):
+    import torch
+    import comfy.model_detection
+    import comfy.supported_models
+    import safetensors.torch
+
+    torch.manual_seed(seed)
+    model_config = comfy.supported_models.SD20(dict(SD2_UNET_CONFIG))
+    unet = model_config.get_model({}).diffusion_model
+    sd = {}
+    for k, v in unet.state_dict().items():
+        v = v.detach().float()
+        if v.dim() > 1:  # fan-in scaled, so activations stay O(1) through the net
+            sd[k] = (torch.randn_like(v) * v[0].numel() ** -0.5).contiguous()
+        elif k.endswith(".weight"):  # the 1-d weights of a UNet are its norms
+            sd[k] = torch.ones_like(v)
+        else:
+            sd[k] = torch.zeros_like(v)
+    detected = comfy.model_detection.model_config_from_unet(sd, "")
+    if detected is None or type(detected).__name__ != "SD20":
+        raise SystemExit("tiny SD2 UNet detected as %r, expected SD20" % (type(detected).__name__,))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    safetensors.torch.save_file(sd, out)
+    blocks = sorted({k.split(".transformer_blocks.")[0] + "." + k.split(".transformer_blocks.")[1].split(".")[0]
+                     for k in sd if ".transformer_blocks." in k})
+    return {
+        "kind": "sd2",
+        "path": out,
+        "detected": type(detected).__name__,
+        # every BasicTransformerBlock calls attention twice per forward: attn1 (self), attn2 (cross)
+        "transformer_blocks": len(blocks),
+        "attention_calls_per_forward": 2 * len(blocks),
+        "bytes": os.path.getsize(out),
+    }
+
+
+H3_CONFIG = dict(
+    hidden_size=64, num_layers=1, token_refiner_num_layers=1, num_attention_heads=2,
+    attention_head_dim=32, ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32,
+    text_dim=1024, timestep_input_dim=256, time_embed_hidden_size=64, time_embed_dim=64,
+    rope_inv_freq_len=16,
+)
+
+
+def make_h3(out, seed):
+    import torch
+    import comfy.model_detection
+    import comfy.supported_models
+    import safetensors.torch
+
+    if not hasattr(comfy.supported_models, "MiniMaxH3"):
+        raise SystemExit("this ComfyUI has no MiniMax H3 support")
+    torch.manual_seed(seed)
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+    import comfy.ops
+
+    model = MiniMaxH3Model(**H3_CONFIG, dtype=torch.float32, device="cpu",
+                           operations=comfy.ops.disable_weight_init)
+    sd = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().float()
+        if k == "rope.inv_freq":
+            n = v.shape[0]
+            sd[k] = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
+        elif v.dim() >= 2:
+            fan_in = v[0].numel()
+            sd[k] = torch.randn_like(v) * fan_in ** -0.5
+        elif k.endswith("bias"):
+            sd[k] = torch.randn_like(v) * 0.02
+        else:  # norm weights
+            sd[k] = torch.ones_like(v)
+    quant_layers = {}
+    for k in list(sd):
+        if not k.endswith(".weight") or sd[k].dim() != 2:
+            continue
+        layer = k[: -len(".weight")]
+        if not (layer.startswith("blocks.") or layer.startswith("token_refiner.blocks.")):
+            continue
+        if ".adaln_proj." in layer:  # keep the modulation path in full precision
+            continue
+        w = sd[k]
+        scale = (w.abs().amax() / 448.0).clamp(min=1e-12).to(torch.float32)
+        sd[k] = (w / scale).to(torch.float8_e4m3fn).contiguous()
+        sd[layer + ".weight_scale"] = scale.reshape(())
+        quant_layers[layer] = {"format": "float8_e4m3fn"}
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": quant_layers})}
+    detected = comfy.model_detection.model_config_from_unet(sd, "", metadata=metadata)
+    if detected is None or type(detected).__name__ != "MiniMaxH3":
+        raise SystemExit("tiny H3 detected as %r, expected MiniMaxH3" % (type(detected).__name__,))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    safetensors.torch.save_file(sd, out, metadata=metadata)
+    return {
+        "kind": "h3",
+        "path": out,
+        "detected": type(detected).__name__,
+        "blocks": H3_CONFIG["num_layers"],
+        "refiner_blocks": H3_CONFIG["token_refiner_num_layers"],
+        "quantized_layers": sorted(quant_layers),
+        "bytes": os.path.getsize(out),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=["sd2", "h3"])
+    ap.add_argument("out")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    _setup_comfy()
+    info = (make_sd2 if a.kind == "sd2" else make_h3)(a.out, a.seed)
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()
