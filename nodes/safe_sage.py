@@ -22,9 +22,10 @@ TIP_MODEL = (
 )
 TIP_KERNEL = (
     "Which attention kernel to run. "
-    "auto: for each attention call, the fastest kernel that has been checked to be safe for that "
-    "call's size on this GPU: SageAttention where its limits allow, PyTorch SDPA otherwise (also "
-    "when SageAttention is not installed). "
+    "auto: SageAttention or PyTorch SDPA for each call, whichever the pack has measured as "
+    "faster on this GPU; on GPUs it has no measurements for, whatever ComfyUI is set to run "
+    "(--use-sage-attention). Calls outside SageAttention's safe limits, or SageAttention not "
+    "installed, mean SDPA. "
     "sage: prefer SageAttention; calls its kernels cannot index safely are still rerouted "
     "(repacked, split, or sent to SDPA), never run unsafely. The status text below the node "
     "says what happened if SageAttention is missing. "
