@@ -1,0 +1,230 @@
+"""SageAttention 2.2.0 envelopes: boundaries from the kernels' index arithmetic (pure data, no GPU)."""
+import pytest
+
+from safe_ops import envelope_sage2 as S2
+from safe_ops.envelope import FAMILIES, I32_MAX, U32_MAX, AttnCall, TensorDesc, check
+
+H3_STRIDE = 3 * 56 * 128   # 21,504: one row of MiniMax H3's fused qkv_proj output
+
+
+def h3_view(S, heads=56, d=128, b=1):
+    """H3's strided q/k/v views [b, heads, S, d] into a [S, 3*heads*d] buffer (HND)."""
+    return TensorDesc((b, heads, S, d), (S * H3_STRIDE, d, H3_STRIDE, 1))
+
+
+def hnd(S, heads=56, d=128, b=1):
+    return TensorDesc.contiguous((b, heads, S, d), "HND")
+
+
+def nhd(S, heads=56, d=128, b=1):
+    return TensorDesc.contiguous((b, heads, S, d), "NHD")
+
+
+def call_of(desc, layout="HND", dtype="bfloat16", **kw):
+    return AttnCall(desc, desc, desc, dtype, layout, **kw)
+
+
+def viol(family, call, rule=None):
+    return [v for v in check(call, FAMILIES[family]) if rule is None or v.rule == rule]
+
+
+def assert_boundary(family, make, last_safe, rule=None):
+    assert viol(family, make(last_safe), rule) == [], [str(v) for v in viol(family, make(last_safe), rule)]
+    assert viol(family, make(last_safe + 1), rule) != []
+
+
+# ----------------------------------------------------------- H3 strided views
+# Triton per_thread / per_block quant: (S-1) * 21504 must fit int32 -> 99,865 ok, 99,866 faults
+# (measured on an H200 with sage 2.2.0's per_thread quantiser, HAZARDS.md H-1).
+@pytest.mark.parametrize("family", ["sage2_sm80", "sage2_sm86_triton", "sage2_sm89_fp8pv", "sage2_sm90"])
+def test_triton_quant_families_h3_strided(family):
+    assert_boundary(family, lambda S: call_of(h3_view(S)), 99_865)
+    v = viol(family, call_of(h3_view(99_866)))
+    assert {(x.tensor, x.axis) for x in v} >= {("q", "s")}
+    assert all("i32" in x.detail for x in v if x.rule == "index")
+
+
+# CUDA per_warp quant + V transpose use uint32: (S-1) * 21504 must fit 2**32 -> the largest
+# index is U32_MAX // 21504 = 199,728, i.e. S = 199,729 is the last safe length and 199,730 the
+# first wrapped one (HAZARDS measured tail degradation at S = 199,730).
+def test_perwarp_family_h3_strided_u32():
+    assert U32_MAX // H3_STRIDE == 199_728
+    assert_boundary("sage2_fp8pv_perwarp", lambda S: call_of(h3_view(S)), 199_729)
+    v = viol("sage2_fp8pv_perwarp", call_of(h3_view(199_730)))
+    kernels = {x.detail.split(":")[0] for x in v}
+    assert {"QuantInt8Kernel", "TransposePadPermuteKernel"} <= kernels
+    assert {("q", "s"), ("k", "s"), ("v", "s")} <= {(x.tensor, x.axis) for x in v}
+    # KJNodes PR #748's reproduced run (S = 200,064) is past the boundary, not the boundary
+    assert viol("sage2_fp8pv_perwarp", call_of(h3_view(200_064)))
+
+
+def test_sm120_length_rule_and_h3():
+    # #388: FP8-PV on sm_120 limited to kv_len < 150,000 (evidence-based, not index arithmetic)
+    assert_boundary("sage2_sm120_fp8pv", lambda S: call_of(h3_view(S)), 149_999)
+    v = viol("sage2_sm120_fp8pv", call_of(h3_view(150_000)))
+    assert [x.rule for x in v] == ["length"] and "#388" in v[0].cite
+    # the index terms underneath are the per_warp ones
+    assert_boundary("sage2_sm120_fp8pv", lambda S: call_of(h3_view(S)), 199_729, rule="index")
+
+
+# ----------------------------------------------------------- contiguous HND / NHD
+@pytest.mark.parametrize("family", ["sage2_sm80", "sage2_sm86_triton", "sage2_sm89_fp8pv"])
+def test_triton_quant_families_contiguous(family):
+    # HND: head 55 x S*128 in int32 (the per-term rule measured with sage 1.0.6: 305,040 / 305,041)
+    assert_boundary(family, lambda S: call_of(hnd(S)), 305_040)
+    # NHD: token (S-1) x 7168 in int32
+    assert_boundary(family, lambda S: call_of(nhd(S), layout="NHD"), 299_594)
+
+
+def test_sm90_contiguous_tma_int_strides():
+    # v_fp8 [1, 56, 128, ceil128(S)] batch stride 7168*Spad reaches cuTensorMapEncodeTiled as int
+    assert_boundary("sage2_sm90", lambda S: call_of(hnd(S)), 299_520)
+    assert_boundary("sage2_sm90", lambda S: call_of(nhd(S), layout="NHD"), 299_520)
+    v = viol("sage2_sm90", call_of(hnd(299_521)))
+    assert [(x.tensor, x.axis) for x in v] == [("v_t128", "b")]
+    assert v[0].value == 56 * 128 * 299_648 > I32_MAX
+    # at 299,594 q_int8's own batch stride 7168*S passes int32 too
+    v = viol("sage2_sm90", call_of(hnd(299_594)))
+    assert ("q:alloc", "b") in {(x.tensor, x.axis) for x in v}
+
+
+def test_perwarp_contiguous():
+    # HND: transposed fp8 V [1, 56, 128, ceil64(S)], head term 55 x 128*Spad in uint32
+    assert_boundary("sage2_fp8pv_perwarp", lambda S: call_of(hnd(S)), 610_048)
+    assert {x.tensor for x in viol("sage2_fp8pv_perwarp", call_of(hnd(610_049)))} == {"v_t"}
+    # NHD: token (S-1) x 7168 in uint32
+    assert_boundary("sage2_fp8pv_perwarp", lambda S: call_of(nhd(S), layout="NHD"), 599_187)
+
+
+def test_h3_repacked_contiguous_raises_the_limit():
+    """The planner's repack (H3 view -> contiguous HND) moves every family past 169k."""
+    for fam in ("sage2_sm80", "sage2_sm86_triton", "sage2_sm89_fp8pv", "sage2_sm90"):
+        assert viol(fam, call_of(h3_view(169_000))), fam
+        assert viol(fam, call_of(hnd(169_000))) == [], fam
+    # the all-CUDA per_warp path takes the strided view as is up to 199,729 (measured correct
+    # at 149k-169k strided on an H200, HAZARDS.md H-1)
+    assert viol("sage2_fp8pv_perwarp", call_of(h3_view(169_000))) == []
+
+
+# ----------------------------------------------------------- derived tensors
+def test_k_smooth_is_dense_in_k_order():
+    k = h3_view(1000)
+    ks = S2.dense_like(k)
+    assert ks.stride == (1000 * 7168, 128, 7168, 1)      # k - km of the H3 view is NHD-dense
+    assert S2.dense_like(hnd(1000)).stride == hnd(1000).stride
+    assert S2.dense_like(nhd(1000)).stride == nhd(1000).stride
+
+
+def test_v_transposed_shapes():
+    c = call_of(hnd(1000))
+    t = S2.v_transposed(c, c.v)
+    assert t.shape == (1, 56, 1024, 128) and t.stride == (56 * 128 * 1024, 128 * 1024, 1, 1024)
+    c = call_of(nhd(1000), layout="NHD")
+    t = S2.v_transposed(c, c.v)
+    assert t.stride == (128 * 56 * 1024, 1024, 1, 56 * 1024)
+    # sm90 path pads V to 128 first when kv_len % 128 != 0 (a contiguous copy)
+    c = call_of(h3_view(1000))
+    assert S2.DERIVED["v_pad128"](c).stride == hnd(1024).stride
+    assert S2.DERIVED["v_pad128"](call_of(h3_view(1024))).stride == h3_view(1024).stride
+
+
+def test_bf16_v_copy_on_sm80():
+    c16 = call_of(h3_view(1000), dtype="float16")
+    assert S2.DERIVED["v_fp16"](c16) == c16.v
+    assert S2.DERIVED["v_fp16"](call_of(h3_view(1000))).stride[2] == 7168
+
+
+# ----------------------------------------------------------- padding rule (sm90 direct)
+@pytest.mark.parametrize("r", [1, 10, 64])
+def test_sm90_unpadded_v_assert_fires_for_r_1_to_64(r):
+    n = 128 * 300 + r
+    v = viol("sage2_sm90_unpadded_v", call_of(hnd(n)), "padding")
+    assert len(v) == 1 and "868" in v[0].cite
+
+
+@pytest.mark.parametrize("r", [0, 65, 100, 127])
+def test_sm90_unpadded_v_assert_passes_for_r_0_and_65_to_127(r):
+    # per_channel_fp8 pads to 64: 128n + r with r > 64 pads to 128(n+1) == div_ceil(kv_len,128)*128
+    n = 128 * 300 + r
+    assert viol("sage2_sm90_unpadded_v", call_of(hnd(n)), "padding") == []
+
+
+@pytest.mark.parametrize("r", [0, 1, 64, 65, 127])
+def test_sageattn_sm90_pads_v_itself(r):
+    assert viol("sage2_sm90", call_of(hnd(128 * 300 + r))) == []
+
+
+# ----------------------------------------------------------- shape rules
+@pytest.mark.parametrize("family", [f.family for f in S2.SAGE2_FAMILIES])
+@pytest.mark.parametrize("d,ok", [(64, True), (128, True), (96, False), (256, False)])
+def test_head_dims(family, d, ok):
+    c = call_of(hnd(4096, d=d))
+    assert (viol(family, c, "head_dim") == []) == ok
+
+
+@pytest.mark.parametrize("family", [f.family for f in S2.SAGE2_FAMILIES])
+def test_dtype_mask_and_stream(family):
+    env = FAMILIES[family]
+    assert viol(family, call_of(hnd(4096), dtype="float32"), "dtype")
+    assert viol(family, call_of(hnd(4096), has_mask=True), "mask")
+    assert viol(family, call_of(hnd(4096), dtype="float16")) == []
+    expect_legacy = family not in ("sage2_sm86_triton", "sage3_blackwell")
+    assert env.launches_on_legacy_stream == expect_legacy
+
+
+def test_gqa_and_layout_rules():
+    q = hnd(4096, heads=56)
+    k = hnd(4096, heads=8)
+    assert viol("sage2_sm80", AttnCall(q, k, k, "bfloat16", "HND")) == []
+    k7 = hnd(4096, heads=5)
+    assert viol("sage2_sm80", AttnCall(q, k7, k7, "bfloat16", "HND"), "layout")
+    assert viol("sage3_blackwell", call_of(nhd(4096), layout="NHD"), "layout")
+
+
+def test_sage3_delta_s_stride():
+    assert_boundary("sage3_blackwell", lambda S: call_of(hnd(S)), 70_016)
+    # PR #394's example: (1, 56, 73,774) -> 2,386,435,072
+    assert viol("sage3_blackwell", call_of(hnd(73_774)))[0].value == 2_386_435_072
+
+
+def test_temp_bytes_h3_169k():
+    c = call_of(h3_view(169_000))
+    gib = 2**30
+    # per_warp path (sm120): q/k int8 + transposed V (bf16) + fp8 V + output ~ 7.9 GiB (HAZARDS H-4)
+    assert 7.6 * gib < FAMILIES["sage2_sm120_fp8pv"].temp_bytes(c) < 8.2 * gib
+    for f in S2.SAGE2_FAMILIES:
+        assert f.temp_bytes(c) > 0
+
+
+# ----------------------------------------------------------- dispatch
+@pytest.mark.parametrize("version,arch,family", [
+    ("2.2.0", (8, 0), "sage2_sm80"),
+    ("2.2.0", (8, 6), "sage2_sm86_triton"),
+    ("2.2.0", (8, 7), None),
+    ("2.2.0", (8, 9), "sage2_sm89_fp8pv"),
+    ("2.2.0", (9, 0), "sage2_sm90"),
+    ("2.2.0", (10, 0), None),
+    ("2.2.0", (12, 0), "sage2_sm120_fp8pv"),
+    ("2.2.0", (12, 1), "sage2_sm120_fp8pv"),
+    ("2.2.0.post3+cu128torch2.8.0", (12, 0), "sage2_sm120_fp8pv"),
+    ("2.2.0", (7, 5), None),
+    ("2.1.1", (8, 9), None),
+    ("2.0.1", (9, 0), None),
+    ("1.0.6", (9, 0), "sage1_triton"),
+    ("1.0.6", (7, 5), None),
+    ("garbage", (9, 0), None),
+])
+def test_family_for(version, arch, family):
+    assert S2.family_for(version, arch) == family
+
+
+def test_every_family_registered_and_cited():
+    for f in S2.SAGE2_FAMILIES:
+        assert FAMILIES[f.family] is f
+        for t in f.terms:
+            assert t.cite.startswith("SageAttention@v2.2.0:"), t
+        for rule in f.extra_rules:
+            for t in getattr(rule, "terms", ()):
+                assert t.cite.startswith("SageAttention@v2.2.0:"), t
+    for fam, (fn, kw) in S2.SAGEATTN_CALL.items():
+        assert fam in FAMILIES and fn.startswith("sageattn_")
