@@ -5,7 +5,7 @@ from comfy_api.latest import ComfyExtension, io
 
 from .safe_sage import NODES, SafeSageAttention
 
-__all__ = ["SafeSageExtension", "SafeSageAttention", "comfy_entrypoint"]
+__all__ = ["SafeSageAttention", "SafeSageExtension", "comfy_entrypoint"]
 
 
 class SafeSageExtension(ComfyExtension):

@@ -28,10 +28,10 @@ _IMPORT_ERROR: BaseException | None = None
 _IMPORT_TRACEBACK = ""
 
 try:
-    from ..safe_ops.policy import Policy
-    from ..safe_ops.patch import apply_safesage
     from ..safe_ops import report
-except Exception as e:  # noqa: BLE001 - any failure here must be reported, not raised at load
+    from ..safe_ops.patch import apply_safesage
+    from ..safe_ops.policy import Policy
+except Exception as e:  # noqa: BLE001 - any failure must be reported, not raised at load
     _IMPORT_ERROR = e
     _IMPORT_TRACEBACK = traceback.format_exc()
     Policy = apply_safesage = report = None  # type: ignore[assignment]

@@ -31,7 +31,7 @@ async def stats_handler(request):
         return web.json_response({"error": str(e)}, status=503, dumps=_dumps)
     try:
         return web.json_response(report.snapshot(), dumps=_dumps)
-    except Exception as e:  # noqa: BLE001 - report it to the caller and the log, keep serving
+    except Exception as e:
         log.exception("SafeSage: %s failed", STATS_PATH)
         return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500, dumps=_dumps)
 
