@@ -98,15 +98,15 @@ _STATS_LOCK = threading.Lock()
 # planning
 # ---------------------------------------------------------------------------------------
 def per_token_bytes(hidden: int, ffn: int, dtype_bytes: int) -> int:
-    """Bytes one token of a chunk keeps live in the chunk loop.
+    """Bytes one token of a chunk keeps live in the chunk loop (upper bound).
 
-    fc1 output ``2*ffn`` (gate|up; the activation is computed in place into the gate half)
-    + fc2's input copy (a contiguous / quantised copy of the ``ffn`` activation, at most
-    ``ffn`` elements of the compute dtype) + fc2's per-chunk output before it is copied
-    into the preallocated result (``hidden``).  Conservative: the dense path writes fc2
-    straight into the output and needs no input copy.
+    In the compute dtype: fc1 output ``2*ffn`` (gate|up; SwiGLU is computed in place into
+    the gate half), fc2's contiguous input copy ``ffn`` (quantised path only) and fc2's
+    per-chunk output ``hidden`` before it is copied into the preallocated result; plus the
+    1-byte fp8 input copies of a quantised path (``hidden`` for fc1, ``ffn`` for fc2).
+    The dense path needs less (no input copies, fc2 writes straight into the output).
     """
-    return (2 * ffn + ffn + hidden) * dtype_bytes
+    return (3 * ffn + hidden) * dtype_bytes + (ffn + hidden)
 
 
 def plan_chunk(S: int, hidden: int, ffn: int, dtype_bytes: int, budget_bytes: int) -> int:

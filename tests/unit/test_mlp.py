@@ -150,7 +150,7 @@ def test_swiglu_gate_is_first_half():
 def test_plan_chunk_boundaries():
     hidden, ffn, b = 5376, 14336, 2
     per = mlp.per_token_bytes(hidden, ffn, b)
-    assert per == (3 * ffn + hidden) * b
+    assert per == (3 * ffn + hidden) * b + ffn + hidden
     # S = 0, everything fits, exactly fits
     assert mlp.plan_chunk(0, hidden, ffn, b, 1 << 30) == 0
     assert mlp.plan_chunk(1000, hidden, ffn, b, per * 1000) == 1000

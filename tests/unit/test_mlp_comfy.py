@@ -247,6 +247,40 @@ def test_fp8_with_lora_dequantised_in_cast_once(monkeypatch, stats):
     _check_equal(y, m, x, 100)
 
 
+def _int8_state(lin, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(lin.out_features, lin.in_features, generator=g) * lin.in_features ** -0.5
+    scale = w.abs().amax() / 127.0
+    return {
+        "weight": (w / scale).round().clamp(-127, 127).to(torch.int8),
+        "weight_scale": scale.float(),
+        "comfy_quant": torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8),
+    }
+
+
+def test_int8_fused_swiglu_fc2_per_chunk(monkeypatch, stats):
+    """linear_input_act's INT8 path (SwiGLU fused into fc2's per-row INT8 input quantiser):
+    kept, per chunk, on the one cast weight; bitwise equal (per-row quantisation)."""
+    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.bfloat16)
+    m = h3.MLP(HIDDEN, FFN, dtype=torch.bfloat16, device="cpu", operations=ops)
+    m.fc1.load_state_dict(_int8_state(m.fc1, 1), strict=False)
+    m.fc2.load_state_dict(_int8_state(m.fc2, 2), strict=False)
+    assert m.fc2.weight._layout_cls == "TensorWiseINT8Layout"
+    ck = comfy.ops.quant_ops.ck
+    acts = []
+    real = ck.int8_linear
+
+    def spy(*a, **k):
+        acts.append(k.get("input_act"))
+        return real(*a, **k)
+    monkeypatch.setattr(ck, "int8_linear", spy)
+    x = _x(300)
+    cc = CastCounter(monkeypatch)
+    y = mlp.h3_mlp_forward(m, x, 64, fences=None, stats=stats)
+    assert cc.casts == 2 and acts == ["swiglu"] * 5
+    assert torch.equal(y, _unpatched(m, x))
+
+
 # ---------------------------------------------------------------------------------------
 # fences and release order
 # ---------------------------------------------------------------------------------------
