@@ -79,6 +79,8 @@ def make_sd2(out, seed):
     detected = comfy.model_detection.model_config_from_unet(sd, "")
     if detected is None or type(detected).__name__ != "SD20":
         raise SystemExit("tiny SD2 UNet detected as %r, expected SD20" % (type(detected).__name__,))
+    unet.load_state_dict(sd)
+    effect = _attention_effect_sd2(unet)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     safetensors.torch.save_file(sd, out)
     blocks = sorted({k.split(".transformer_blocks.")[0] + "." + k.split(".transformer_blocks.")[1].split(".")[0]
@@ -90,15 +92,64 @@ def make_sd2(out, seed):
         # every BasicTransformerBlock calls attention twice per forward: attn1 (self), attn2 (cross)
         "transformer_blocks": len(blocks),
         "attention_calls_per_forward": 2 * len(blocks),
+        # relative change of one forward's output when every attention output is zeroed: shows
+        # that attention matters in this random model, so "same latent" tests are not vacuous
+        "attention_effect": effect,
         "bytes": os.path.getsize(out),
     }
+
+
+def _rel_change(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def _zero_attention(func, *args, **kwargs):
+    return func(*args, **kwargs) * 0.0
+
+
+def _attention_effect_sd2(unet):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 8, 8, generator=g)
+    ctx = torch.randn(1, 2, 1024, generator=g)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        ref = unet(x, t, context=ctx, transformer_options={})
+        ablated = unet(x, t, context=ctx, transformer_options={"optimized_attention_override": _zero_attention})
+    return _rel_change(ablated, ref)
+
+
+def _block_effects_h3(model):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(1, 24, 2, 4, 4, generator=g)
+    audio = torch.randn(1, 32, 2, 4, generator=g)
+    ctx = torch.randn(1, 2, 1024, generator=g)
+    t = torch.tensor([500.0])
+
+    def fwd(**opts):
+        with torch.inference_mode():
+            return model([video, audio], t, ctx, transformer_options=opts)[0]
+
+    ref = fwd()
+    no_attn = fwd(optimized_attention_override=_zero_attention)
+    hooks = [m.register_forward_hook(lambda mod, inp, out: out * 0.0)
+             for name, m in model.named_modules() if name.endswith(".mlp")]
+    try:
+        no_mlp = fwd()
+    finally:
+        for h in hooks:
+            h.remove()
+    return {"attention": _rel_change(no_attn, ref), "mlp": _rel_change(no_mlp, ref)}
 
 
 H3_CONFIG = dict(
     hidden_size=64, num_layers=1, token_refiner_num_layers=1, num_attention_heads=2,
     attention_head_dim=32, ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32,
     text_dim=1024, timestep_input_dim=256, time_embed_hidden_size=64, time_embed_dim=64,
-    rope_inv_freq_len=16,
+    rope_inv_freq_len=4,  # rope covers 3 axes x 2 x 4 = 24 of the 32 head dims (real H3: 96 of 128)
 )
 
 
@@ -129,6 +180,9 @@ def make_h3(out, seed):
             sd[k] = torch.randn_like(v) * 0.02
         else:  # norm weights
             sd[k] = torch.ones_like(v)
+    model.load_state_dict(sd)
+    model.requires_grad_(False)  # as ComfyUI does; kitchen's in-place RoPE refuses autograd
+    effects = _block_effects_h3(model)
     quant_layers = {}
     for k in list(sd):
         if not k.endswith(".weight") or sd[k].dim() != 2:
@@ -156,6 +210,10 @@ def make_h3(out, seed):
         "blocks": H3_CONFIG["num_layers"],
         "refiner_blocks": H3_CONFIG["token_refiner_num_layers"],
         "quantized_layers": sorted(quant_layers),
+        # relative change of one forward's video output when attention / the MLPs are zeroed:
+        # the blocks matter, so "same latent" and "MLP patched" tests are not vacuous
+        "attention_effect": effects["attention"],
+        "mlp_effect": effects["mlp"],
         "bytes": os.path.getsize(out),
     }
 

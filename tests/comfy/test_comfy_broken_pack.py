@@ -1,0 +1,76 @@
+"""A broken install of the pack (a half-updated safe_ops that fails to import) in a second, short
+-lived real ComfyUI server: ComfyUI keeps running, the start-up log says clearly what failed, and
+nothing samples silently without the guard."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from comfy_graphs import sd2_graph
+from comfy_server import HERE, PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer, execution_error
+
+CAUSE = "simulated broken SafeSage install (tests/comfy)"
+PACK_PARTS = ["__init__.py", "nodes", "safe_ops", "web"]
+
+
+@pytest.fixture(scope="module")
+def broken_server(comfy, tiny_sd2, tmp_path_factory):
+    base = tmp_path_factory.mktemp("comfy_broken_base")
+    pack = base / "custom_nodes" / PACK_DIR_NAME
+    pack.mkdir(parents=True)
+    for part in PACK_PARTS:
+        src = REPO / part
+        if src.is_dir():
+            shutil.copytree(src, pack / part, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy2(src, pack / part)
+    # a half-updated install: one safe_ops module raises at import
+    (pack / "safe_ops" / "patch.py").write_text("raise ImportError(%r)\n" % CAUSE)
+    server = ComfyServer(base, {TEST_NODES_DIR_NAME: HERE / "test_nodes"}, name="broken")
+    os.link(tiny_sd2["path"], server.models_dir / os.path.basename(tiny_sd2["path"]))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_broken_pack_is_reported_clearly_and_server_lives(broken_server, tiny_sd2, seed_counter):
+    s = broken_server
+    logs = s.logs()
+    relevant = [l for l in logs.splitlines() if "SafeSage" in l or PACK_DIR_NAME in l or CAUSE in l]
+    assert any(CAUSE in l for l in relevant), "the cause is not in /internal/logs:\n" + "\n".join(relevant)
+    assert any("SafeSage" in l and ("IMPORT FAILED" in l or "Cannot import" in l) for l in relevant), relevant
+    assert s.alive()
+
+    info = s.object_info()
+    if "SafeSageAttention" not in info:
+        # the pack chose not to register: ComfyUI's own summary must flag it
+        assert any("IMPORT FAILED" in l and PACK_DIR_NAME in l for l in relevant), relevant
+        return
+    # the node is listed but must refuse to run, naming the cause, instead of passing the model
+    # through unguarded
+    pid = s.post_prompt(sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "broken", safesage={}))
+    assert isinstance(pid, str), pid
+    entry = s.wait_history(pid)
+    assert entry["status"]["status_str"] == "error", "the node ran with its core missing"
+    err = execution_error(entry)
+    assert err["node_type"] == "SafeSageAttention", err
+    assert CAUSE in err["exception_message"] and "SafeSage" in err["exception_message"], err
+    assert s.alive()
+    r = s.get_json("/system_stats")
+    assert r["system"]["comfyui_version"], json.dumps(r)[:500]
+
+
+def test_broken_pack_stats_route_says_unavailable(broken_server):
+    import requests
+
+    r = requests.get(broken_server.url + "/safesage/stats", timeout=30)
+    if r.status_code == 404:
+        pytest.skip("the broken pack did not register /safesage/stats")
+    assert r.status_code == 503, (r.status_code, r.text[:500])
+    assert CAUSE in r.json()["error"]

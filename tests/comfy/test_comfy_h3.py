@@ -1,0 +1,74 @@
+"""MiniMax H3 through SafeSageAttention in a real ComfyUI (0dd9b154 or later; skipped on 0.3.75,
+which has no H3). Tiny random H3 (hidden 64, 1 block + 1 token-refiner block), fan-in-scaled init
+so its blocks matter, block/refiner Linear weights stored fp8 e4m3 scaled with the
+`_quantization_metadata` safetensors encoding (tiny_models.py).
+
+Expected counts come from the model's structure:
+  * MLPs patched = DiT blocks + token-refiner blocks (every H3 MLP is patched), read from
+    /safesage/stats `mlp_patched`, which reports the latest application of the node;
+  * attention calls through the override = DiT blocks x forwards. The token refiner's attention
+    runs in model_base.MiniMaxH3.extra_conds (preprocess_text_embeds), which gets no
+    transformer_options, so ComfyUI never routes it through an override; KSampler with euler and
+    cfg 1.0 runs one forward per step (the uncond is skipped).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from comfy_graphs import h3_graph, max_rel_diff, saved_latents, stats_delta
+
+# fp8-dequantized weights are identical on both paths; chunked MLP and the attention override only
+# change summation order in fp32 on CPU.
+REL_TOL = 1e-3
+
+
+def test_h3_tiny_model_is_informative(tiny_h3):
+    assert tiny_h3["detected"] == "MiniMaxH3"
+    assert len(tiny_h3["quantized_layers"]) == 4 * (tiny_h3["blocks"] + tiny_h3["refiner_blocks"])
+    # zeroing attention / the MLPs changes one forward's output by more than a few percent
+    assert tiny_h3["attention_effect"] > 0.02, tiny_h3
+    assert tiny_h3["mlp_effect"] > 0.02, tiny_h3
+
+
+def _pair(comfy, unet, seed, steps, safesage, tag):
+    plain = comfy.run(h3_graph(unet, seed, tag + "_plain", steps=steps))
+    before = comfy.safesage_stats()
+    node = comfy.run(h3_graph(unet, seed, tag + "_safesage", safesage=safesage, steps=steps))
+    after = comfy.safesage_stats()
+    return saved_latents(plain), saved_latents(node), before, after
+
+
+def test_h3_fp8_same_latent_mlps_patched_attention_counted(comfy, tiny_h3, seed_counter):
+    unet = os.path.basename(tiny_h3["path"])
+    steps = 2
+    plain, patched, before, after = _pair(comfy, unet, seed_counter(), steps,
+                                          {"mlp_chunking": "tokens", "mlp_chunk_tokens": 256}, "h3")
+    assert len(plain) == len(patched) == 2  # video and audio latents
+    for p, q in zip(plain, patched):
+        assert p.shape == q.shape
+        assert torch.isfinite(p).all() and p.abs().max() > 0
+        assert max_rel_diff(q, p) <= REL_TOL, (q - p).abs().max()
+
+    n_mlps = tiny_h3["blocks"] + tiny_h3["refiner_blocks"]
+    # mlp_patched: how many MLPs the latest SafeSageAttention application patched (a gauge)
+    assert after.get("mlp_patched") == n_mlps, after
+    calls = stats_delta(before, after, "attention_calls")
+    assert calls == tiny_h3["blocks"] * steps, (calls, after)
+    if "forwards" in after:
+        assert stats_delta(before, after, "forwards") == steps
+    plan_calls = sum(stats_delta(before, after, k) for k in after if k.startswith("plan:"))
+    assert plan_calls == calls, after
+    if "mlp_calls" in after:  # the patched MLPs really ran (DiT blocks at least once per forward)
+        assert stats_delta(before, after, "mlp_calls") >= tiny_h3["blocks"] * steps, after
+
+
+def test_h3_mlp_chunking_off_patches_no_mlp(comfy, tiny_h3, seed_counter):
+    unet = os.path.basename(tiny_h3["path"])
+    plain, patched, before, after = _pair(comfy, unet, seed_counter(), 1, {"mlp_chunking": "off"}, "h3off")
+    for p, q in zip(plain, patched):
+        assert max_rel_diff(q, p) <= REL_TOL
+    assert after.get("mlp_patched") == 0, after
+    assert stats_delta(before, after, "attention_calls") == tiny_h3["blocks"]
