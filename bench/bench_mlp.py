@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from safe_ops import mlp  # noqa: E402  (pure torch)
+from safe_ops import mlp
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -37,8 +37,9 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,7 +149,7 @@ def parse_chunk_setting(chunk_setting: Any) -> Any:
     raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
 
 
-def _free_device_bytes(device: torch.device) -> Optional[int]:
+def _free_device_bytes(device: torch.device) -> int | None:
     mm = sys.modules.get("comfy.model_management")
     fn = getattr(mm, "get_free_memory", None) if mm is not None else None
     try:
@@ -170,7 +171,7 @@ def auto_budget_bytes(device: torch.device) -> int:
 
 
 def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
-                  device: torch.device, budget_bytes: Optional[int] = None) -> int:
+                  device: torch.device, budget_bytes: int | None = None) -> int:
     """Chunk tokens for this call; ``>= S`` means "do not chunk"."""
     setting = parse_chunk_setting(chunk_setting)
     if setting == "off" or S <= 0:
@@ -215,7 +216,7 @@ class Lease:
 
     contiguous_input = False   # dense mm accepts the strided activation view
 
-    def __init__(self, transients: Iterable[Any] = (), release: Optional[Callable[[], None]] = None,
+    def __init__(self, transients: Iterable[Any] = (), release: Callable[[], None] | None = None,
                  label: str = ""):
         self.transients = [t for t in transients if isinstance(t, torch.Tensor)]
         self._release = release
@@ -239,8 +240,8 @@ class Lease:
 class DenseLease(Lease):
     """Plain weight/bias tensors: ``F.linear`` semantics, written straight into ``out``."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 transients: Iterable[Any] = (), release: Optional[Callable[[], None]] = None,
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 transients: Iterable[Any] = (), release: Callable[[], None] | None = None,
                  label: str = ""):
         super().__init__(transients, release, label)
         self.weight = weight
@@ -267,7 +268,7 @@ class CallableLease(Lease):
     contiguous_input = True
 
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], transients: Iterable[Any] = (),
-                 release: Optional[Callable[[], None]] = None, label: str = "",
+                 release: Callable[[], None] | None = None, label: str = "",
                  fused_act: bool = False):
         super().__init__(transients, release, label)
         self.fn = fn
@@ -283,24 +284,30 @@ def _flatten_tokens(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
 
 
 def run_chunked_mlp(x: torch.Tensor, fc1: Lease, fc2: Lease, chunk_tokens: int,
-                    out: Optional[torch.Tensor] = None, fences: Optional[FenceBook] = None,
-                    stats: Optional[MlpStats] = None, fence_label: str = "mlp") -> torch.Tensor:
+                    out: torch.Tensor | None = None, fences: FenceBook | None = None,
+                    stats: MlpStats | None = None, fence_label: str = "mlp",
+                    before_chunk: Callable[[], None] | None = None) -> torch.Tensor:
     """``fc2(swiglu(fc1(x)))`` over token chunks; leases fenced then released.
 
     ``x``: ``[..., hidden]`` (leading dims flattened).  ``out`` (optional): ``[S, out]`` or
     ``[..., out]`` buffer to write into.  The leases are always released (also on error);
-    their transients are fenced first when ``fences`` is given.
+    their transients are fenced first when ``fences`` is given.  ``before_chunk`` runs before
+    each chunk (ComfyUI's interrupt check); an exception from it stops the loop cleanly.
     """
     try:
         x2, lead = _flatten_tokens(x)
         S = x2.shape[0]
         c = max(1, int(chunk_tokens))
+        if out is not None and not out.is_contiguous():
+            raise ValueError("out must be contiguous (chunks are written into row slices of it)")
         if out is not None:
             out2 = out.reshape(S, out.shape[-1]) if S > 0 else out.reshape(0, out.shape[-1])
         else:
             out2 = None
         n_chunks = 0
         for a in range(0, S, c):
+            if before_chunk is not None:
+                before_chunk()
             b = min(a + c, S)
             h = fc1.apply(x2[a:b])
             if getattr(fc2, "fused_act", False):
@@ -342,9 +349,9 @@ def run_chunked_mlp(x: torch.Tensor, fc1: Lease, fc2: Lease, chunk_tokens: int,
             fc2.release()
 
 
-def chunked_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional[torch.Tensor],
-                   fc2_weight: torch.Tensor, fc2_bias: Optional[torch.Tensor], chunk_tokens: int,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def chunked_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: torch.Tensor | None,
+                   fc2_weight: torch.Tensor, fc2_bias: torch.Tensor | None, chunk_tokens: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
     """``fc2(silu(gate) * up)`` with ``gate, up = fc1(x).chunk(2, -1)``, per token chunk.
 
     ``x``: ``[S, hidden]`` or ``[..., hidden]``; weights in ``F.linear`` layout
@@ -359,7 +366,7 @@ def chunked_swiglu(x: torch.Tensor, fc1_weight: torch.Tensor, fc1_bias: Optional
     n_out = fc2_weight.shape[0]
     if out is None:
         out = torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
-    elif tuple(out.shape[:-1]) != lead and out.shape[0] != S:
+    elif tuple(out.shape) not in ((*lead, n_out), (S, n_out)):
         raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*lead, n_out)}")
     return run_chunked_mlp(x, DenseLease(fc1_weight, fc1_bias, label="fc1"),
                            DenseLease(fc2_weight, fc2_bias, label="fc2"), c, out=out)
@@ -644,7 +651,7 @@ def _mixed_precision_lease(linear, sample, stats, label, fn_w, fn_b) -> Lease:
     return _dense_or_dequant(weight, bias, sample, transients, release, stats, label)
 
 
-def _int8_fused_fc2_lease(fc2, h_dtype, device, stats, label) -> Optional[Lease]:
+def _int8_fused_fc2_lease(fc2, h_dtype, device, stats, label) -> Lease | None:
     """``linear_input_act``'s INT8 path (activation fused into the INT8 quantiser), per chunk.
 
     Returns None when that path would not be taken (then fc2 is an ordinary Linear call on
@@ -689,8 +696,8 @@ def _unpatched(module, x):
 
 
 def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any = "auto",
-                   fences: Optional[FenceBook] = GLOBAL_FENCES, stats: MlpStats = MLP_STATS,
-                   budget_bytes: Optional[int] = None) -> torch.Tensor:
+                   fences: FenceBook | None = GLOBAL_FENCES, stats: MlpStats = MLP_STATS,
+                   budget_bytes: int | None = None) -> torch.Tensor:
     """Replacement for ``comfy.ldm.minimax.model.MLP.forward``: same result, token chunks,
     each weight cast once per call, transients fenced, released through ComfyUI."""
     with _STATS_LOCK:
@@ -747,7 +754,9 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
 
     with _STATS_LOCK:
         stats.chunked_calls += 1
-    y = run_chunked_mlp(x2, fc1, fc2, c, fences=fences, stats=stats, fence_label="h3_mlp")
+    # ComfyUI's Linear.forward calls run_every_op() (the interrupt check) per layer call
+    y = run_chunked_mlp(x2, fc1, fc2, c, fences=fences, stats=stats, fence_label="h3_mlp",
+                        before_chunk=getattr(_comfy_ops(), "run_every_op", None))
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -760,7 +769,7 @@ class H3ChunkedMLPForward:
     _safesage_mlp = True
 
     def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any,
-                 fences: Optional[FenceBook], stats: MlpStats = MLP_STATS):
+                 fences: FenceBook | None, stats: MlpStats = MLP_STATS):
         self.module = module
         self.path = path
         self.chunk_setting = parse_chunk_setting(chunk_setting)
@@ -805,7 +814,7 @@ def _diffusion_model(model_patcher) -> Any:
 
 
 def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
-                           fences: Optional[FenceBook] = GLOBAL_FENCES) -> dict:
+                           fences: FenceBook | None = GLOBAL_FENCES) -> dict:
     """Object-patch every H3 MLP forward of ``model_patcher`` with the chunked forward.
 
     Returns ``{"patched": n, "skipped": reason or None, "conflicts": [...]}``.

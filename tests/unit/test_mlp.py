@@ -118,6 +118,15 @@ def test_leading_batch_dims_and_out():
     _assert_same(out.reshape(-1, hidden), x2, w1, b1, w2, b2, 7, torch.float32, "batch7")
 
 
+def test_out_must_be_contiguous_and_shaped():
+    w1, b1, w2, b2 = _weights(8, 8, torch.float32)
+    x = torch.randn(10, 8)
+    with pytest.raises(ValueError):
+        mlp.chunked_swiglu(x, w1, b1, w2, b2, 4, out=torch.empty(8, 10).t())
+    with pytest.raises(ValueError):
+        mlp.chunked_swiglu(x, w1, b1, w2, b2, 4, out=torch.empty(11, 8))
+
+
 def test_rectangular_fc2_out_width():
     hidden, ffn = 32, 48
     w1 = torch.randn(2 * ffn, hidden)
@@ -290,9 +299,9 @@ def test_no_fence_without_transients():
 
 
 def test_safe_ops_mlp_does_not_import_comfy():
+    import os
     import subprocess
     import sys
-    import os
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = ("import sys; import safe_ops.mlp as m; "
             "assert not any(k == 'comfy' or k.startswith('comfy.') for k in sys.modules), "

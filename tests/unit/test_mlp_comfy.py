@@ -33,27 +33,27 @@ if not COMFYUI_PATH or not os.path.isfile(os.path.join(COMFYUI_PATH, "comfy", "o
 
 if COMFYUI_PATH not in sys.path:
     sys.path.insert(0, COMFYUI_PATH)
-import comfy.cli_args  # noqa: E402
+import comfy.cli_args
 
 comfy.cli_args.args.cpu = True  # before comfy.model_management is imported
 try:
-    import comfy.model_management  # noqa: E402,F401
-    import comfy.ops  # noqa: E402
-    import comfy.utils  # noqa: E402
-    from comfy.quant_ops import QuantizedTensor  # noqa: E402
+    import comfy.model_management
+    import comfy.ops
+    import comfy.utils
+    from comfy.quant_ops import QuantizedTensor
 except Exception as e:  # pragma: no cover - environment
     print(f"\n[test_mlp_comfy] skipped: ComfyUI import failed: {e!r}")
     pytest.skip(f"ComfyUI import failed: {e!r}", allow_module_level=True)
 try:
-    import comfy.ldm.minimax.model as h3  # noqa: E402
+    import comfy.ldm.minimax.model as h3
 except Exception as e:  # pragma: no cover - environment
     print(f"\n[test_mlp_comfy] skipped: comfy.ldm.minimax.model does not import: {e!r}")
     pytest.skip(f"comfy.ldm.minimax.model does not import: {e!r}", allow_module_level=True)
 if getattr(comfy.ops, "linear_input_act", None) is None:  # pragma: no cover
     pytest.skip("this ComfyUI has no comfy.ops.linear_input_act", allow_module_level=True)
 
-from safe_ops import mlp  # noqa: E402
-from safe_ops.fences import FenceBook  # noqa: E402
+from safe_ops import mlp
+from safe_ops.fences import FenceBook
 
 HIDDEN, FFN = 64, 96
 
@@ -312,6 +312,29 @@ def test_transients_handed_to_fence_before_comfy_release(monkeypatch, stats):
     assert any(t.shape == m.fc1.weight.shape for t in held), "fc1's patched copy is fenced"
 
 
+def test_interrupt_between_chunks_releases_through_comfy(monkeypatch, stats):
+    """ComfyUI's interrupt check (run_every_op) runs before every chunk; when it throws, the
+    transients are still fenced and both weights given back through uncast_bias_weight."""
+    m = manual_cast_mlp(torch.bfloat16)
+    m.fc1.weight_function = [lambda w: w * 2]
+    log = []
+    CastCounter(monkeypatch, log)
+    n = {"c": 0}
+
+    class Interrupted(Exception):
+        pass
+
+    def run_every_op():
+        n["c"] += 1
+        if n["c"] == 3:
+            raise Interrupted()
+    monkeypatch.setattr(comfy.ops, "run_every_op", run_every_op)
+    book = SpyBook(log)
+    with pytest.raises(Interrupted):
+        mlp.h3_mlp_forward(m, _x(300), 50, fences=book, stats=stats)
+    assert log == ["cast", "cast", "hold", "uncast", "uncast"] and stats.chunks == 0
+
+
 def test_shared_cast_buffer_falls_back(monkeypatch, stats):
     """If ComfyUI hands fc1 and fc2 out of the same cast buffer (one offload stream), fc2's
     copy would overwrite fc1's weight: give both back, run ComfyUI's forward, count it."""
@@ -437,7 +460,7 @@ def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
 
     # a foreign patch on one key is reported, not replaced
     foreign_key = keys[0]
-    foreign = lambda x: x  # noqa: E731
+    foreign = lambda x: x
     p.object_patches[foreign_key] = foreign
     r3 = mlp.install_h3_mlp_patches(p, 64)
     assert r3["patched"] == n_expected - 1
