@@ -57,7 +57,7 @@ CHUNK_ALIGN = 256
 #: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out)
 AUTO_BUDGET_BYTES = 768 * 1024 ** 2
 #: never plan a budget below this, even with little free memory
-AUTO_BUDGET_FLOOR_BYTES = 64 * 1024 ** 2
+AUTO_BUDGET_FLOOR_BYTES = 256 * 1024 ** 2
 #: "auto" never uses more than this fraction of the free device memory for a chunk
 AUTO_FREE_FRACTION = 0.25
 

@@ -111,8 +111,8 @@ def _fp8_state(lin, seed):
     }
 
 
-def fp8_mlp(compute_dtype=torch.bfloat16):
-    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=compute_dtype)
+def fp8_mlp(compute_dtype=torch.bfloat16, disabled=()):
+    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=compute_dtype, disabled=set(disabled))
     m = h3.MLP(HIDDEN, FFN, dtype=compute_dtype, device="cpu", operations=ops)
     m.fc1.load_state_dict(_fp8_state(m.fc1, 11), strict=False)
     m.fc2.load_state_dict(_fp8_state(m.fc2, 12), strict=False)
@@ -230,6 +230,29 @@ def test_fp8_fallback_dequantises_once(monkeypatch, stats):
     gate, up = h.chunk(2, -1)
     ref = F.linear(q(F.silu(gate).mul_(up), m.fc2.layout_type, scale=None).dequantize(), w2)
     assert torch.equal(y, ref)
+
+
+def test_fp8_emulated_gpu_without_fp8_compute_dequantises_once(monkeypatch, stats):
+    """pick_operations on a GPU without fp8 compute disables float8 -> _full_precision_mm:
+    every ComfyUI call runs F.linear(bf16, QuantizedTensor), which comfy-kitchen answers by
+    dequantising the weight inside the call. Chunked: dequantised once per MLP call."""
+    m = fp8_mlp(disabled=("float8_e4m3fn", "float8_e5m2"))
+    assert m.fc1._full_precision_mm
+    deq = {"n": 0}
+    orig = QuantizedTensor.dequantize
+
+    def counting(self, *a, **k):
+        deq["n"] += 1
+        return orig(self, *a, **k)
+    monkeypatch.setattr(QuantizedTensor, "dequantize", counting)
+    x = _x(300)
+    cc = CastCounter(monkeypatch)
+    y = mlp.h3_mlp_forward(m, x, 50, fences=None, stats=stats)
+    assert cc.casts == 2 and stats.dequants == 2 and deq["n"] == 2
+    deq["n"] = 0
+    _per_chunk_unpatched(m, x, 50)
+    assert deq["n"] == 2 * 6, "ComfyUI's layers per chunk would dequantise per chunk"
+    _check_equal(y, m, x, 50)
 
 
 def test_fp8_with_lora_dequantised_in_cast_once(monkeypatch, stats):
