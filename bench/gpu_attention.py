@@ -1,0 +1,337 @@
+"""GPU stress, benchmark and probe runs of SafeSage's guarded attention against raw sageattention.
+
+Everything compares in one process, on the same inputs: the guarded call
+(SafeAttention), the same kernel on pre-made in-limit inputs (contiguous HND
+copies), and PyTorch SDPA. The unguarded call on the real (strided) inputs runs
+in a child process, because an illegal memory access poisons the CUDA context.
+
+    python bench/gpu_attention.py stress --out bench/results/stress_h200.json
+    python bench/gpu_attention.py bench  --out bench/results/attention_h200.json
+    python bench/gpu_attention.py probe  --out bench/results/probe_h200.json
+
+Needs a CUDA GPU and sageattention. Writes JSON with the command line, versions
+and GPU name; docs/BENCHMARKS.md is generated from these files by
+``python bench/tables.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+HEADS, D = 56, 128
+
+
+def env_info() -> dict:
+    import importlib.metadata as md
+    info = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for pkg in ("sageattention", "triton"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    return info
+
+
+def h3_qkv(S: int, layout: str, seed: int = 0, dtype=torch.bfloat16):
+    """q/k/v [1,56,S,128] HND: 'strided' = views into one [S, 3*56*128] qkv buffer (MiniMax H3)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if layout == "strided":
+        qkv = torch.randn(S, 3 * HEADS * D, device="cuda", dtype=dtype, generator=g)
+        return [t.view(S, HEADS, D).transpose(0, 1).unsqueeze(0) for t in qkv.split(HEADS * D, -1)]
+    return [torch.randn(1, HEADS, S, D, device="cuda", dtype=dtype, generator=g) for _ in range(3)]
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def per_head_rel(a, b):
+    return [rel_l2(a[:, h], b[:, h]) for h in range(a.shape[1])]
+
+
+def sdpa(q, k, v):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+def guarded(policy=None):
+    from safe_ops.attention import SafeAttention
+    from safe_ops.policy import Policy
+    return SafeAttention(policy or Policy(kernel="sage", verify="off"))
+
+
+def raw_sage(q, k, v):
+    from sageattention import sageattn
+    return sageattn(q, k, v, tensor_layout="HND", is_causal=False, smooth_k=False)
+
+
+def _noop(*a, **k):
+    raise AssertionError("unreachable: the override handles every call here")
+
+
+# ------------------------------------------------------------------ unguarded child
+def child(S: int, layout: str, out_path: str) -> None:
+    """Raw sageattn on the given inputs; writes its error vs SDPA if it returns at all."""
+    q, k, v = h3_qkv(S, layout)
+    res = {"S": S, "layout": layout}
+    o = raw_sage(q, k, v)
+    torch.cuda.synchronize()
+    ref = sdpa(q, k, v)
+    heads = per_head_rel(o, ref)
+    res.update(rel_err=rel_l2(o, ref), worst_head_rel_err=max(heads), last_head_rel_err=heads[-1],
+               finite=bool(torch.isfinite(o).all()))
+    with open(out_path, "w") as f:
+        json.dump(res, f)
+
+
+def run_child(S: int, layout: str, timeout: int = 300) -> dict:
+    tmp = f"/tmp/safesage_child_{S}_{layout}.json"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    t0 = time.time()
+    p = subprocess.run([sys.executable, __file__, "child", "--S", str(S), "--layout", layout, "--child-out", tmp],
+                       capture_output=True, text=True, timeout=timeout)
+    res = {"S": S, "layout": layout, "returncode": p.returncode, "seconds": round(time.time() - t0, 1)}
+    if p.returncode < 0:
+        res["signal"] = -p.returncode
+    tail = (p.stderr or "").strip().splitlines()[-3:]
+    if p.returncode != 0:
+        res["stderr_tail"] = tail
+    if os.path.exists(tmp):
+        with open(tmp) as f:
+            res.update(json.load(f))
+    res["outcome"] = ("fault" if p.returncode != 0 else
+                      "wrong" if res.get("worst_head_rel_err", 1) > 0.05 or not res.get("finite", True) else "correct")
+    return res
+
+
+# ------------------------------------------------------------------------- stress
+def stress(args) -> dict:
+    from safe_ops import report
+    results = []
+    sizes = [int(s) for s in args.sizes.split(",")]
+    side = torch.cuda.Stream()
+    for S in sizes:
+        for layout in ("strided", "contiguous"):
+            torch.cuda.empty_cache()
+            q, k, v = h3_qkv(S, layout)
+            ref = sdpa(q, k, v)
+            torch.cuda.synchronize()
+            # the kernel's own error on in-limit inputs of the same values (where such exist)
+            inlimit = None
+            if S <= 305_040:
+                qc, kc, vc = (t.contiguous() for t in (q, k, v))
+                inlimit = rel_l2(raw_sage(qc, kc, vc), ref)
+                del qc, kc, vc
+            for stream_name in ("default", "side"):
+                report.reset()
+                att = guarded()
+                st = torch.cuda.current_stream() if stream_name == "default" else side
+                if stream_name == "side":
+                    side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(st):
+                    o = att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+                torch.cuda.current_stream().wait_stream(st)
+                torch.cuda.synchronize()
+                heads = per_head_rel(o, ref)
+                plan = next(iter(report.PLANS.values()), "")
+                results.append({"S": S, "layout": layout, "stream": stream_name, "plan": plan,
+                                "guarded_rel_err": rel_l2(o, ref), "guarded_worst_head": max(heads),
+                                "inlimit_rel_err": inlimit, "fault": False})
+                print(json.dumps(results[-1])[:300], flush=True)
+                del o
+            del q, k, v, ref
+            torch.cuda.synchronize()
+    unguarded = []
+    if not args.skip_children:
+        for S in sizes:
+            for layout in ("strided", "contiguous"):
+                r = run_child(S, layout)
+                unguarded.append(r)
+                print("unguarded", json.dumps(r)[:300], flush=True)
+    return {"env": env_info(), "guarded": results, "unguarded": unguarded}
+
+
+# -------------------------------------------------------------------------- bench
+def _time_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _peak_extra(fn) -> int:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del o
+    return peak
+
+
+def bench(args) -> dict:
+    from safe_ops import report
+    rows = []
+    for S in [int(s) for s in args.sizes.split(",")]:
+        torch.cuda.empty_cache()
+        q, k, v = h3_qkv(S, "strided")
+        qc, kc, vc = (t.contiguous() for t in (q, k, v))
+        report.reset()
+        att = guarded()
+        g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+        kin = lambda: raw_sage(qc, kc, vc)  # noqa: E731
+        sd = lambda: sdpa(q, k, v)  # noqa: E731
+        reps = args.reps
+        # interleave to cancel drift: g, kin, sdpa, g, kin, sdpa ...
+        tg, tk, ts = [], [], []
+        for _ in range(2):
+            tg.append(_time_ms(g, reps))
+            tk.append(_time_ms(kin, reps))
+            ts.append(_time_ms(sd, reps))
+        flops = 4 * S * S * HEADS * D
+        row = {"S": S, "plan": next(iter(report.PLANS.values()), ""),
+               "guarded_ms": min(tg), "inlimit_kernel_ms": min(tk), "sdpa_ms": min(ts),
+               "guarded_over_inlimit": min(tg) / min(tk), "guarded_over_sdpa": min(tg) / min(ts),
+               "tflops": {"sage1_triton": flops / min(tk) / 1e9, "sdpa": flops / min(ts) / 1e9,
+                          "guarded": flops / min(tg) / 1e9},
+               "extra_peak_bytes_guarded": _peak_extra(g), "extra_peak_bytes_inlimit_kernel": _peak_extra(kin),
+               "extra_peak_bytes_sdpa": _peak_extra(sd)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, qc, kc, vc
+    host = host_overhead(args.host_S)
+    return {"env": env_info(), "rows": rows, "host_overhead": host}
+
+
+def host_overhead(S: int, n: int = 400) -> dict:
+    """Host microseconds per call: guarded vs raw sageattn vs SDPA, launches only (no sync per call)."""
+    from safe_ops import report
+    q, k, v = h3_qkv(S, "contiguous")
+    report.reset()
+    att = guarded()
+    fns = {"guarded": lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True),
+           "raw_sage": lambda: raw_sage(q, k, v),
+           "sdpa": lambda: sdpa(q, k, v)}
+    res = {"S": S, "calls": n}
+    for name, fn in fns.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        res[f"{name}_host_us"] = (t1 - t0) / n * 1e6
+    res["guard_overhead_us"] = res["guarded_host_us"] - res["raw_sage_host_us"]
+    return res
+
+
+# -------------------------------------------------------------------------- probe
+def probe(args) -> dict:
+    from safe_ops import report
+    from safe_ops.attention import Kernel, SafeAttention, sage_kernel
+    from safe_ops.policy import Policy
+    from safe_ops.runtime import runtime
+    out = {"env": env_info(), "sizes": []}
+    rt = runtime()
+    real = sage_kernel(rt)
+    for S in [int(s) for s in args.sizes.split(",")]:
+        torch.cuda.empty_cache()
+        q, k, v = h3_qkv(S, "strided")
+        row = {"S": S}
+        # real sage: probe verdict and overhead of the first (probed) call vs the second
+        report.reset()
+        att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[real], rt=rt)
+        call = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+        att_np = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[real], rt=rt)
+        call_np = lambda: att_np(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+        call_np()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()                    # first call: runs the kernel + probe
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        call_np()                 # same call without probe
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        from safe_ops.probe import compare
+        o = call_np()
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        compare(o, q, k, v, None, real.tolerance)
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        del o
+        row.update(real_verdicts=att.verifier.verdicts(), first_call_s=t1 - t0, plain_call_s=t2 - t1,
+                   probe_only_s=t4 - t3, probe_only_pct=100 * (t4 - t3) / (t2 - t1),
+                   probe_overhead_pct=100 * ((t1 - t0) - (t2 - t1)) / (t2 - t1),
+                   probe_failures=int(report.STATS["probe_failures"]))
+        # a deliberately broken kernel: corrupts rows past 60% of the sequence
+        def broken(q_, k_, v_, layout, scale, _fn=real.fn):
+            o = _fn(q_, k_, v_, layout, scale)
+            s_ax = 2 if layout == "HND" else 1
+            o.narrow(s_ax, int(o.shape[s_ax] * 0.6), o.shape[s_ax] - int(o.shape[s_ax] * 0.6)).mul_(-3.0)
+            return o
+        report.reset()
+        bad = Kernel(real.envelope, broken, real.tolerance)
+        att_b = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[bad], rt=rt)
+        ob = att_b(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+        ref = sdpa(q, k, v)
+        row.update(broken_caught=int(report.STATS["probe_failures"]) == 1,
+                   broken_output_rel_err_vs_sdpa=rel_l2(ob, ref),
+                   broken_verdicts=att_b.verifier.verdicts())
+        out["sizes"].append(row)
+        print(json.dumps(row), flush=True)
+        del q, k, v, ob, ref
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["stress", "bench", "probe", "child"])
+    ap.add_argument("--out")
+    ap.add_argument("--sizes", default="38000,99866,169000")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--host-S", type=int, default=4096)
+    ap.add_argument("--skip-children", action="store_true")
+    ap.add_argument("--S", type=int)
+    ap.add_argument("--layout")
+    ap.add_argument("--child-out")
+    args = ap.parse_args()
+    if args.mode == "child":
+        child(args.S, args.layout, args.child_out)
+        return
+    res = {"stress": stress, "bench": bench, "probe": probe}[args.mode](args)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    print(json.dumps(res)[:2000])
+
+
+if __name__ == "__main__":
+    main()

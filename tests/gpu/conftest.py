@@ -1,0 +1,29 @@
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except Exception:
+        has_cuda = False
+    try:
+        import sageattention  # noqa: F401
+        has_sage = True
+    except Exception:
+        has_sage = False
+    reason = None
+    if not has_cuda:
+        reason = "GPU test: no CUDA device here (CI has none); results are committed under bench/results/"
+    elif not has_sage:
+        reason = "GPU test: sageattention is not installed"
+    if reason:
+        for item in items:
+            item.add_marker(pytest.mark.skip(reason=reason))
