@@ -840,6 +840,15 @@ def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
         result["skipped"] = "model patcher has no add_object_patch"
         return result
 
+    # another pack replaced MLP.forward on the class: ours would silently bypass it
+    cls_fwd = getattr(type(mlps[0][1]), "forward", None)
+    if setting != "off" and (getattr(cls_fwd, "__module__", None) != H3_MODEL_MODULE
+                             or getattr(cls_fwd, "__qualname__", None) != f"{H3_MLP_CLASS}.forward"):
+        result["conflicts"].append({"key": f"{H3_MODEL_MODULE}.{H3_MLP_CLASS}.forward", "kind": "class_forward",
+                                    "existing": repr(cls_fwd)[:200]})
+        result["skipped"] = "MLP.forward replaced on the class by another pack"
+        return result
+
     for path, module in mlps:
         key = f"diffusion_model.{path}.forward"
         existing = patches.get(key)

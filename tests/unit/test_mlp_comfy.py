@@ -496,6 +496,20 @@ def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
     assert p.object_patches == {foreign_key: foreign}
 
 
+def test_class_level_foreign_patch_is_reported_not_bypassed(monkeypatch):
+    dm = _tiny_h3()
+    p = StandInPatcher(dm)
+
+    orig = h3.MLP.forward
+
+    def other_pack_forward(self, x):
+        return orig(self, x)
+    monkeypatch.setattr(h3.MLP, "forward", other_pack_forward)
+    r = mlp.install_h3_mlp_patches(p, 64)
+    assert r["patched"] == 0 and r["conflicts"][0]["kind"] == "class_forward"
+    assert p.object_patches == {}
+
+
 def test_patched_tiny_h3_mlp_chunked_through_object_patch():
     dm = _tiny_h3()
     for mod in dm.modules():
