@@ -26,11 +26,13 @@ import torch
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes of the storage a tensor keeps alive (not just its view)."""
-    try:
-        return t.untyped_storage().nbytes()
-    except Exception:  # pragma: no cover - exotic tensor subclasses
-        return t.numel() * t.element_size()
+    """Bytes a fenced tensor accounts for: its own elements, not the whole storage.
+
+    A view into a large persistent buffer (a ComfyUI cast buffer, an aimdo
+    VRAM range) keeps that buffer alive anyway; counting its whole storage
+    would overstate what the fence holds back.
+    """
+    return t.numel() * t.element_size()
 
 
 @dataclass
@@ -86,17 +88,22 @@ class FenceBook:
         if not kept:
             self.poll()
             return None
-        seen: set[int] = set()
-        nbytes = 0
+        # Bytes of the union of the held extents per storage (views of one tensor count once).
+        spans: dict[int, list[tuple[int, int]]] = {}
         for t in kept:
             try:
-                key = t.untyped_storage().data_ptr()
-            except Exception:  # pragma: no cover
-                key = id(t)
-            if key in seen:
-                continue
-            seen.add(key)
-            nbytes += tensor_bytes(t)
+                base = t.untyped_storage().data_ptr()
+                start = t.storage_offset() * t.element_size()
+            except Exception:  # pragma: no cover - tensors without storage
+                base, start = id(t), 0
+            spans.setdefault(base, []).append((start, start + tensor_bytes(t)))
+        nbytes = 0
+        for ranges in spans.values():
+            end = -1
+            for a, b in sorted(ranges):
+                if b > end:
+                    nbytes += b - max(a, end)
+                    end = b
         event = self._event_factory()
         if stream is None and kept[0].device.type == "cuda":
             stream = torch.cuda.current_stream(kept[0].device)

@@ -54,8 +54,10 @@ def set_info(name: str, value: Any) -> None:
 
 def snapshot() -> dict:
     from .fences import GLOBAL_FENCES
+    from .mlp import MLP_STATS
     with _lock:
         return {
+            "mlp": MLP_STATS.as_dict(),
             **{k: int(v) for k, v in STATS.items()},
             "attention_calls": int(STATS.get("attention_calls", 0)),
             "fallbacks": int(STATS.get("fallbacks", 0)),
