@@ -46,10 +46,11 @@ def sd2_graph(unet_name, seed, out_name, safesage=None, steps=1, cfg=1.0):
     return g
 
 
-def h3_graph(unet_name, seed, out_name, safesage=None, steps=1, cfg=1.0):
-    """The same for MiniMax H3 on an EmptyMiniMaxH3LatentAV (64x64, 5 frames)."""
+def h3_graph(unet_name, seed, out_name, safesage=None, steps=1, cfg=1.0, width=64, height=64, length=5):
+    """The same for MiniMax H3 on an EmptyMiniMaxH3LatentAV (default 64x64, 5 frames)."""
     g, model_ref = _with_model(unet_name, safesage)
-    latent = {"class_type": "EmptyMiniMaxH3LatentAV", "inputs": {"width": 64, "height": 64, "length": 5}}
+    latent = {"class_type": "EmptyMiniMaxH3LatentAV",
+              "inputs": {"width": width, "height": height, "length": length}}
     g.update(_common(model_ref, latent, seed, steps, cfg, "simple", out_name))
     return g
 
@@ -68,4 +69,9 @@ def max_rel_diff(a, b) -> float:
 
 
 def stats_delta(before: dict, after: dict, key: str) -> int:
-    return int(after.get(key, 0)) - int(before.get(key, 0))
+    """Change of a counter in /safesage/stats; "a.b" reads a nested counter."""
+    def get(d):
+        for part in key.split("."):
+            d = d.get(part, 0) if isinstance(d, dict) else 0
+        return int(d or 0)
+    return get(after) - get(before)

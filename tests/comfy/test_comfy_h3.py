@@ -33,10 +33,10 @@ def test_h3_tiny_model_is_informative(tiny_h3):
     assert tiny_h3["mlp_effect"] > 0.02, tiny_h3
 
 
-def _pair(comfy, unet, seed, steps, safesage, tag):
-    plain = comfy.run(h3_graph(unet, seed, tag + "_plain", steps=steps))
+def _pair(comfy, unet, seed, steps, safesage, tag, **size):
+    plain = comfy.run(h3_graph(unet, seed, tag + "_plain", steps=steps, **size))
     before = comfy.safesage_stats()
-    node = comfy.run(h3_graph(unet, seed, tag + "_safesage", safesage=safesage, steps=steps))
+    node = comfy.run(h3_graph(unet, seed, tag + "_safesage", safesage=safesage, steps=steps, **size))
     after = comfy.safesage_stats()
     return saved_latents(plain), saved_latents(node), before, after
 
@@ -44,8 +44,10 @@ def _pair(comfy, unet, seed, steps, safesage, tag):
 def test_h3_fp8_same_latent_mlps_patched_attention_counted(comfy, tiny_h3, seed_counter):
     unet = os.path.basename(tiny_h3["path"])
     steps = 2
+    # 256x256, 22 frames: a few hundred video+audio tokens, so 256-token MLP chunks really split
     plain, patched, before, after = _pair(comfy, unet, seed_counter(), steps,
-                                          {"mlp_chunking": "tokens", "mlp_chunk_tokens": 256}, "h3")
+                                          {"mlp_chunking": "tokens", "mlp_chunk_tokens": 256}, "h3",
+                                          width=256, height=256, length=22)
     assert len(plain) == len(patched) == 2  # video and audio latents
     for p, q in zip(plain, patched):
         assert p.shape == q.shape
@@ -61,8 +63,11 @@ def test_h3_fp8_same_latent_mlps_patched_attention_counted(comfy, tiny_h3, seed_
         assert stats_delta(before, after, "forwards") == steps
     plan_calls = sum(stats_delta(before, after, k) for k in after if k.startswith("plan:"))
     assert plan_calls == calls, after
-    if "mlp_calls" in after:  # the patched MLPs really ran (DiT blocks at least once per forward)
-        assert stats_delta(before, after, "mlp_calls") >= tiny_h3["blocks"] * steps, after
+    if isinstance(after.get("mlp"), dict):
+        # the patched DiT-block MLPs really ran, chunked, once per forward each (the refiner's
+        # MLP sees only the 2 text tokens: below one chunk)
+        assert stats_delta(before, after, "mlp.chunked_calls") == tiny_h3["blocks"] * steps, after["mlp"]
+        assert stats_delta(before, after, "mlp.chunks") >= 2 * tiny_h3["blocks"] * steps, after["mlp"]
 
 
 def test_h3_mlp_chunking_off_patches_no_mlp(comfy, tiny_h3, seed_counter):
