@@ -42,7 +42,7 @@ class Plan:
     cost_us: float = 0.0           # predicted extra device time vs a direct call
     reasons: tuple[str, ...] = ()  # why not direct (violations of the kernel that was asked)
 
-    def describe(self) -> str:
+    def describe(self, reasons: bool = True) -> str:
         parts = [f"{self.kind} on {self.kernel} ({self.layout})"]
         if self.repack:
             parts.append("repack " + "/".join(self.repack) + " to contiguous HND")
@@ -52,7 +52,7 @@ class Plan:
             parts.append(f"{self.q_chunk:,} query tokens per launch")
         parts.append(f"{self.launches} launch(es), +{self.extra_bytes / 2**20:.1f} MiB, ~+{self.cost_us:.0f} us")
         s = ", ".join(parts)
-        if self.reasons:
+        if reasons and self.reasons:
             s += "; because " + "; ".join(self.reasons)
         return s
 
