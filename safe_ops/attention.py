@@ -171,6 +171,11 @@ class SafeAttention:
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
         self._choices: dict[tuple, Choice] = {}
 
+    def __deepcopy__(self, memo):
+        # Clones of a patched model share one override (its caches and fences are
+        # process-wide anyway); other packs deepcopy model_options freely.
+        return self
+
     # ---------------------------------------------------------------- choice
     def candidates(self, func: Callable | None) -> list[str]:
         """Kernel families in preference order for this policy (sdpa always last resort)."""

@@ -1,0 +1,118 @@
+"""apply_safesage on a stand-in ModelPatcher, the H3 preflight arithmetic, and the demo."""
+import copy
+
+import pytest
+
+from safe_ops import patch as patch_mod
+from safe_ops import report
+from safe_ops.attention import SafeAttention
+from safe_ops.policy import Policy
+from safe_ops.preflight import h3_attention_call, h3_tokens, preflight
+from safe_ops.runtime import Runtime
+
+
+class FakePatcher:
+    """The part of comfy.model_patcher.ModelPatcher that apply_safesage uses."""
+
+    def __init__(self):
+        self.model_options = {"transformer_options": {}}
+        self.wrappers = {}
+        self.object_patches = {}
+        import torch
+        self.model = type("M", (), {"diffusion_model": torch.nn.Linear(2, 2)})()  # not an H3 model
+        self.clones = 0
+
+    def clone(self):
+        n = FakePatcher()
+        n.model_options = copy.deepcopy(self.model_options)
+        n.wrappers = copy.deepcopy(self.wrappers)
+        n.object_patches = dict(self.object_patches)
+        n.model = self.model
+        self.clones += 1
+        return n
+
+    def add_wrapper_with_key(self, wtype, key, fn):
+        self.wrappers.setdefault(wtype, {}).setdefault(key, []).append(fn)
+
+    def remove_wrappers_with_key(self, wtype, key):
+        self.wrappers.get(wtype, {}).pop(key, None)
+
+    def add_object_patch(self, name, obj):
+        self.object_patches[name] = obj
+
+
+NO_SAGE = Runtime("t", None, None, None, None, None, "package not installed", None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def _rt(monkeypatch):
+    monkeypatch.setattr(patch_mod, "runtime", lambda: NO_SAGE)
+    report.reset()
+
+
+def test_clone_not_mutated_and_override_installed():
+    m = FakePatcher()
+    out, summary = patch_mod.apply_safesage(m, Policy(kernel="auto"))
+    assert out is not m and m.clones == 1
+    assert "optimized_attention_override" not in m.model_options["transformer_options"]
+    assert isinstance(out.model_options["transformer_options"]["optimized_attention_override"], SafeAttention)
+    assert "SageAttention not used: package not installed" in summary["text"]
+    assert summary["mlp"]["patched"] == 0 and summary["mlp"]["skipped"]
+
+
+def test_idempotent_on_a_patched_model():
+    m, _ = patch_mod.apply_safesage(FakePatcher())
+    m2, s2 = patch_mod.apply_safesage(m)
+    to = m2.model_options["transformer_options"]
+    assert isinstance(to["optimized_attention_override"], SafeAttention)
+    assert not s2["warnings"]
+    wrappers = [w for ws in m2.wrappers.values() for w in ws.values()]
+    assert all(len(w) == 1 for w in wrappers)
+
+
+def test_foreign_override_is_reported():
+    m = FakePatcher()
+
+    def someone_elses(func, *a, **k):
+        return func(*a, **k)
+
+    m.model_options["transformer_options"]["optimized_attention_override"] = someone_elses
+    _, s = patch_mod.apply_safesage(m)
+    assert any("someone_elses" in w for w in s["warnings"])
+    assert "WARNING" in s["text"]
+
+
+def test_explicit_sage_without_sage_is_a_clear_error():
+    with pytest.raises(patch_mod.SafeSageError, match="kernel='sage'.*package not installed.*auto"):
+        patch_mod.apply_safesage(FakePatcher(), Policy(kernel="sage"))
+
+
+def test_policy_rejects_bad_values():
+    for bad in (dict(kernel="flash"), dict(mlp_chunking="x"), dict(verify="sometimes"), dict(mlp_chunk_tokens=0)):
+        with pytest.raises(ValueError, match="SafeSage"):
+            Policy(**bad)
+
+
+def test_h3_token_arithmetic():
+    t = h3_tokens(1664, 960, 362, ref_images=3, text_tokens=0)
+    assert t.video == 107 * 30 * 52          # latent_t 107 (362 frames), 1560 tokens per frame
+    assert t.audio == 2 * 603                # 362/24 s at 40 Hz, stereo
+    assert t.refs == 3 * 1560
+    assert 160_000 < t.total < 180_000
+    small = h3_tokens(1344, 768, 124, text_tokens=0)
+    assert 36_000 < small.total < 40_000      # the reporter's clean ~38k size
+
+
+def test_preflight_plans_the_reporters_graph():
+    S = h3_tokens(1664, 960, 362, ref_images=3).total
+    rows = {r["family"]: r for r in preflight(S, ["sage1_triton"], budget_bytes=8 << 30)}
+    r = rows["sage1_triton"]
+    assert r["violations"] and "repack" in r["plan"]
+    assert h3_attention_call(99_865).q.stride[2] == 21_504
+
+
+def test_demo_runs_on_cpu(capsys):
+    from safe_ops import demo
+    assert demo.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "173,062" in out and "head_groups" in out
