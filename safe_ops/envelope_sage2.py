@@ -38,7 +38,8 @@ product itself passes 2**32. The sm90 attention kernel instead hands the strides
 ``cuTensorMapEncodeTiled`` as ``(uint64_t)int`` (qattn/qk_int_sv_f8_cuda_sm90.cu:38):
 a stride above INT_MAX sign-extends and the descriptor encode fails its ``assert``
 (:48, asserts are live: setup.py builds without -DNDEBUG) -- so there *every stride* of
-q_int8 / k_int8 / v_fp8 must fit in int32, even a batch stride multiplied by index 0.
+q_int8 / k_int8 / v_fp8 must fit in int32, even a batch stride multiplied by index 0
+(encode failure measured, see :class:`IntStrideRule`).
 
 The CUDA attention kernels advance K/V pointers by ``CTA_K * stride`` per tile
 (qattn/attn_utils.cuh:115-141, 64-bit pointer increments), so their K/V token index is at
@@ -220,7 +221,15 @@ class DerivedTermsRule:
 @dataclass(frozen=True)
 class IntStrideRule:
     """Every stride of the listed tensors must fit a C ``int`` (the sm90 TMA descriptors,
-    qk_int_sv_f8_cuda_sm90.cu:38 via :788-833 and :887-889), whatever the extent."""
+    qk_int_sv_f8_cuda_sm90.cu:38 via :788-833 and :887-889), whatever the extent.
+
+    Measured on an H200 (driver 580, cuda.bindings, the exact create_tensor_map_4D
+    arguments): cuTensorMapEncodeTiled returns CUDA_ERROR_INVALID_VALUE (-> the live
+    ``assert`` at :48 aborts) for q_int8 [1,56,S,128] at S = 299,594 (batch stride
+    2,147,489,792) but not at 299,593, and for v_fp8 at Spad = 299,648 but not 299,520;
+    the same strides passed as 64-bit encode fine. A stride >= 2**32 wraps to a positive
+    int and encodes, wrongly (harmless only for a batch stride with b = 1): the rule
+    rejects every stride > INT_MAX, which is conservative for that case only."""
     family: str
     tensors: tuple[tuple[str, tuple[str, ...]], ...]    # (tensor role, axes)
     cite: str
