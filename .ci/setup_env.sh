@@ -51,7 +51,7 @@ EXTRA_PACKAGES=(requests pytest)
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 base_python="${SAFESAGE_BASE_PYTHON:-python3}"
-cache_root="${SAFESAGE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/safesage}"
+cache_root="${SAFESAGE_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/safesage}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_PROGRESS_BAR=off
 
 log() { printf '[setup_env %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -124,6 +124,7 @@ EOF
 
 if [[ -f "$venv/.safesage-complete" ]] && smoke_test 2>/dev/null; then
     log "reusing venv $venv"
+    touch "$venv/.safesage-complete"
 else
     log "building venv $venv (cold: ~1 min, ~2 GB)"
     t0=$SECONDS
@@ -138,6 +139,9 @@ else
     smoke_test || die "venv smoke import failed"
     touch "$venv/.safesage-complete"
     log "venv built in $((SECONDS - t0)) s"
+    # ~2 GB each: drop venvs of older inputs that nothing used for 14 days
+    find "$cache_root" -maxdepth 2 -path "$cache_root/venv-*/.safesage-complete" -mtime +14 -print 2>/dev/null \
+        | while read -r old; do log "removing unused $(dirname "$old")"; rm -rf "$(dirname "$old")"; done
 fi
 
 printf 'export SAFESAGE_PYTHON=%q\n' "$py"
