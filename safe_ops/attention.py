@@ -63,15 +63,36 @@ SDPA_KERNEL = Kernel(SDPA, _sdpa_fn, TOLERANCE["sdpa"])
 
 
 def sage_kernel(rt: Runtime) -> Kernel | None:
-    """The installed sageattention as a Kernel, or None (reason in ``rt.sage_error``)."""
-    if rt.sage_family is None or rt.sage_family not in FAMILIES:
+    """The installed sageattention as a Kernel, or None (reason in ``rt.sage_error``).
+
+    sage 1.x: ``sageattn`` with ``smooth_k=False`` (as ComfyUI calls it; 1.x would
+    otherwise subtract the mean from the caller's k in place). sage 2.2: the
+    per-family function ``sageattn`` itself dispatches to on this arch, called
+    with explicit arguments so the kernel that runs is exactly the envelope
+    checked (``envelope_sage2.SAGEATTN_CALL``); 2.2's ``sageattn`` drops
+    ``smooth_k``, so the functions' own default (on) is kept, as in ComfyUI.
+    """
+    fam = rt.sage_family
+    if fam is None or fam not in FAMILIES:
         return None
-    from sageattention import sageattn
+    import sageattention
 
-    def fn(q, k, v, layout, scale):
-        return sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=False)
+    if fam == "sage1_triton":
+        from sageattention import sageattn
 
-    return Kernel(FAMILIES[rt.sage_family], fn, TOLERANCE.get(rt.sage_family, DEFAULT_TOLERANCE))
+        def fn(q, k, v, layout, scale):
+            return sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=False)
+    else:
+        from .envelope_sage2 import SAGEATTN_CALL
+        if fam not in SAGEATTN_CALL or not hasattr(sageattention, SAGEATTN_CALL[fam][0]):
+            return None
+        name, extra = SAGEATTN_CALL[fam]
+        f = getattr(sageattention, name)
+
+        def fn(q, k, v, layout, scale):
+            return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **extra)
+
+    return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE))
 
 
 def _dtype_name(dt: torch.dtype) -> str:

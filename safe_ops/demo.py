@@ -1,4 +1,4 @@
-"""SafeSage demo: python -m safe_ops.demo  (from the repository root; needs only torch)
+"""SafeSage demo: python3 -m safe_ops.demo  (from the repository root; needs only torch)
 
 1. What is here (GPU, sageattention and the kernel family it would run).
 2. The plan SafeSage chooses for the reporter's graph (MiniMax H3 ref2va,
@@ -11,7 +11,9 @@
    envelope.
 4. The token-chunked H3 SwiGLU MLP against the unchunked one.
 
-No model download, no ComfyUI. Exit status 0 when every check passed.
+No model download, no ComfyUI. Exit status 0 when every check passed. Run
+from a Python without torch, it prepares a private venv with torch under
+~/.cache/safesage/demo-venv first (never touching your own environments).
 """
 from __future__ import annotations
 
@@ -20,11 +22,41 @@ import dataclasses
 import sys
 import time
 
+import os
+import subprocess
+
+
+def _bootstrap_and_reexec() -> None:  # pragma: no cover - only on a machine without torch
+    """No torch in this Python: build a private venv with torch and rerun the demo there.
+
+    The user's own environments are never touched; the venv lives under
+    ~/.cache/safesage/demo-venv and is reused next time.
+    """
+    venv = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                        "safesage", "demo-venv")
+    py = os.path.join(venv, "bin", "python")
+    if os.environ.get("SAFESAGE_DEMO_BOOTSTRAPPED"):
+        sys.exit("SafeSage demo: torch is still missing after the bootstrap; install torch and retry.")
+    print(f"SafeSage demo: this Python has no torch; preparing {venv} (one time) ...", file=sys.stderr)
+    try:
+        if not os.path.exists(py):
+            subprocess.check_call([sys.executable, "-m", "venv", venv])
+        if subprocess.call([py, "-c", "import torch"], stderr=subprocess.DEVNULL) != 0:
+            # the CPU build where one is available; any torch otherwise
+            if subprocess.call([py, "-m", "pip", "install", "-q", "torch==2.13.0"]) != 0:
+                subprocess.check_call([py, "-m", "pip", "install", "-q", "torch"])
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.exit(f"SafeSage demo needs PyTorch and could not install it ({e}). Run it with ComfyUI's "
+                 "Python, which ships torch: <ComfyUI python> -m safe_ops.demo")
+    env = dict(os.environ, SAFESAGE_DEMO_BOOTSTRAPPED="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(subprocess.call([py, "-m", "safe_ops.demo", *sys.argv[1:]], cwd=root, env=env))
+
+
 try:
     import torch
 except ImportError:  # pragma: no cover - a fresh machine without torch
-    sys.exit("SafeSage demo needs PyTorch: run it with ComfyUI's Python (which ships torch), "
-             "or `pip install torch` first.")
+    _bootstrap_and_reexec()
 
 from . import report
 from .attention import Kernel, SafeAttention, sage_kernel
@@ -65,7 +97,7 @@ def section(title: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m safe_ops.demo", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python3 -m safe_ops.demo", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--tokens", type=int, default=0, help="attention sequence length to run (default: by device)")
     a = ap.parse_args(argv)

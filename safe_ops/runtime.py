@@ -58,7 +58,7 @@ def sage_family_for(version: str | None, arch: tuple[int, int] | None) -> str | 
         return None
     major = version.split(".")[0]
     if major == "1":
-        return "sage1_triton" if arch >= (7, 0) else None
+        return "sage1_triton" if arch >= (8, 0) else None   # int8 tl.dot needs sm80+
     try:
         from .envelope_sage2 import family_for
     except ImportError:
