@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import safetensors.torch
-
 SAFESAGE_DEFAULTS = {
     "kernel": "auto",
     "mlp_chunking": "auto",
@@ -57,6 +55,8 @@ def h3_graph(unet_name, seed, out_name, safesage=None, steps=1, cfg=1.0, width=6
 
 def saved_latents(entry: dict) -> list:
     """The tensors SafeSageTestSaveLatent wrote for a finished prompt (history entry)."""
+    import safetensors.torch
+
     outs = [o for node in entry["outputs"].values() for o in node.get("safesage_latent", [])]
     assert len(outs) == 1, "expected one saved latent, got %r" % (entry["outputs"],)
     d = safetensors.torch.load_file(outs[0]["path"])

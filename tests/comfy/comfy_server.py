@@ -13,6 +13,7 @@ by that PID at the end of the session.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -23,7 +24,10 @@ import time
 import uuid
 from pathlib import Path
 
-import requests
+try:
+    import requests
+except ImportError:  # reported as the skip reason by comfy_path_problem()
+    requests = None
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -34,6 +38,10 @@ START_TIMEOUT_S = float(os.environ.get("SAFESAGE_COMFY_START_TIMEOUT", "180"))
 
 def comfy_path_problem() -> str | None:
     """Why the ComfyUI tests cannot run here, or None."""
+    missing = [m for m in ("requests", "torch", "safetensors") if importlib.util.find_spec(m) is None]
+    if missing:
+        return ("%s not installed in this python: run the tests with `bash .ci/run`"
+                % ", ".join(missing))
     p = os.environ.get("COMFYUI_PATH")
     if not p:
         return ("COMFYUI_PATH is not set: these tests need a ComfyUI tree "

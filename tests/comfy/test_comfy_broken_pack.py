@@ -14,7 +14,9 @@ from comfy_graphs import sd2_graph
 from comfy_server import HERE, PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer, execution_error
 
 CAUSE = "simulated broken SafeSage install (tests/comfy)"
-PACK_PARTS = ["__init__.py", "nodes", "safe_ops", "web"]
+# what a user's install has; everything else in the repository is development-only
+NOT_SHIPPED = {".git", ".ci", "tests", "bench", "docs", "example_workflows", ".venv", ".comfy",
+               "build", "dist", ".pytest_cache", ".whl"}
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +24,13 @@ def broken_server(comfy, tiny_sd2, tmp_path_factory):
     base = tmp_path_factory.mktemp("comfy_broken_base")
     pack = base / "custom_nodes" / PACK_DIR_NAME
     pack.mkdir(parents=True)
-    for part in PACK_PARTS:
-        src = REPO / part
+    for src in REPO.iterdir():
+        if src.name in NOT_SHIPPED or src.name.startswith(".git"):
+            continue
         if src.is_dir():
-            shutil.copytree(src, pack / part, ignore=shutil.ignore_patterns("__pycache__"))
-        elif src.exists():
-            shutil.copy2(src, pack / part)
+            shutil.copytree(src, pack / src.name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, pack / src.name)
     # a half-updated install: one safe_ops module raises at import
     (pack / "safe_ops" / "patch.py").write_text("raise ImportError(%r)\n" % CAUSE)
     server = ComfyServer(base, {TEST_NODES_DIR_NAME: HERE / "test_nodes"}, name="broken")

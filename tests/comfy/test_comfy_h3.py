@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch")
 
 from comfy_graphs import h3_graph, max_rel_diff, saved_latents, stats_delta
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import os
 
-import torch
+import pytest
+
+torch = pytest.importorskip("torch")
 
 from comfy_graphs import max_rel_diff, saved_latents, sd2_graph, stats_delta
 
