@@ -108,7 +108,8 @@ fi
 
 # ---------------------------------------------------------------- venv
 key="$( {
-    cat "${BASH_SOURCE[0]}" "$here/cpu_torch_shim.py" "$comfy/requirements.txt"
+    grep -v '^[[:space:]]*#' "${BASH_SOURCE[0]}"  # comment-only edits keep the cached venv
+    cat "$here/cpu_torch_shim.py" "$comfy/requirements.txt"
     echo "torch==$TORCH_VERSION ${EXTRA_PACKAGES[*]}"
     "$base_python" -c 'import sys, platform; print(sys.version, platform.machine(), sys.platlibdir)'
 } | sha256sum | cut -c1-16 )"
@@ -129,7 +130,8 @@ else
     log "building venv $venv (cold: ~1 min, ~2 GB)"
     t0=$SECONDS
     rm -rf "$venv"
-    "$base_python" -m venv "$venv"
+    "$base_python" -m venv "$venv" \
+        || die "cannot create a venv with $base_python (on Debian/Ubuntu: apt-get install python3-venv)"
     echo "torch==$TORCH_VERSION" > "$venv/constraints.txt"
     pip_quiet "$py" -m pip install -q "torch==$TORCH_VERSION"
     pip_quiet "$py" -m pip install -q -c "$venv/constraints.txt" -r "$comfy/requirements.txt" "${EXTRA_PACKAGES[@]}"
