@@ -122,26 +122,42 @@ class Normalised:
         return out_hnd.transpose(1, 2).reshape(b, s, h * d)
 
 
+@dataclass
+class _Prepared:
+    """Everything per call signature that the hot path needs, computed once."""
+    plan: Plan
+    call: AttnCall
+    shape_key: str
+    count_key: str
+    fallback_reason: str | None
+    class_key: tuple | None
+
+
 class UnsupportedCall(ValueError):
     """An attention call SafeSage cannot read; it is passed to ComfyUI's own function."""
 
 
 def normalise(args: tuple, kwargs: dict) -> Normalised:
-    names = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
-    a = dict(zip(names, args))
-    for n in names:
-        if n in kwargs:
-            a[n] = kwargs[n]
-    q, k, v, heads = a.get("q"), a.get("k"), a.get("v"), a.get("heads")
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+    """ComfyUI's call forms -> HND views of q/k/v (no copies) plus what the output needs."""
+    na = len(args)
+    get = kwargs.get
+    q = args[0] if na > 0 else get("q")
+    k = args[1] if na > 1 else get("k")
+    v = args[2] if na > 2 else get("v")
+    heads = args[3] if na > 3 else get("heads")
+    mask = args[4] if na > 4 else get("mask")
+    skip_reshape = bool(args[6] if na > 6 else get("skip_reshape", False))
+    skip_output_reshape = bool(args[7] if na > 7 else get("skip_output_reshape", False))
+    Tensor = torch.Tensor
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         raise UnsupportedCall("q, k and v must be tensors")
     if not isinstance(heads, int) or heads < 1:
         raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
-    if q.device != k.device or q.device != v.device:
+    dq = q.get_device()                      # an int: cheaper than building torch.device objects
+    if dq != k.get_device() or dq != v.get_device() or q.device.type != k.device.type:
         raise UnsupportedCall("q, k and v are on different devices")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise UnsupportedCall(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    skip_reshape = bool(a.get("skip_reshape", False))
     if skip_reshape:
         if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
             raise UnsupportedCall(f"skip_reshape expects 4-d [B,H,S,D] tensors, got ranks {q.ndim}/{k.ndim}/{v.ndim}")
@@ -163,7 +179,6 @@ def normalise(args: tuple, kwargs: dict) -> Normalised:
         raise UnsupportedCall(f"mismatched shapes q{tuple(qh.shape)} k{tuple(kh.shape)} v{tuple(vh.shape)}")
     if kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
         raise UnsupportedCall(f"q heads {qh.shape[1]} not a multiple of kv heads {kh.shape[1]}")
-    mask = a.get("mask")
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise UnsupportedCall("mask must be a tensor")
@@ -172,7 +187,7 @@ def normalise(args: tuple, kwargs: dict) -> Normalised:
         if mask.ndim == 3:
             mask = mask.unsqueeze(1)
     scale = kwargs.get("scale")
-    return Normalised(qh, kh, vh, qh.shape[1], mask, scale, layout, bool(a.get("skip_output_reshape", False)))
+    return Normalised(qh, kh, vh, qh.shape[1], mask, scale, layout, skip_output_reshape)
 
 
 class SafeAttention:
@@ -191,6 +206,7 @@ class SafeAttention:
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
         self._choices: dict[tuple, Choice] = {}
+        self._prepared: dict[tuple, _Prepared] = {}
 
     def __deepcopy__(self, memo):
         # Clones of a patched model share one override (its caches and fences are
@@ -243,51 +259,62 @@ class SafeAttention:
         return n.finish(self.attend(n, func))
 
     def attend(self, n: Normalised, func: Callable | None = None) -> torch.Tensor:
+        """Plan (cached per call signature), run, and verify the first call of each class."""
         q, k, v = n.q, n.k, n.v
         if q.shape[2] == 0:
             report.count("plan:empty")
             return q.new_empty(q.shape)
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+               n.caller_layout, n.mask is None, "sage" in getattr(func, "__name__", ""))
+        p = self._prepared.get(key)
+        if p is None:
+            p = self._prepared[key] = self._prepare(n, func)
+        report.STATS[p.count_key] += 1
+        if p.fallback_reason is not None:
+            report.fallback(p.fallback_reason, p.shape_key)
+        out = self.run_plan(p.plan, n)
+        if p.class_key is not None and self.verifier.needs_probe(p.class_key):
+            out = self._verify(p, n, out)
+        return out
+
+    def _prepare(self, n: Normalised, func: Callable | None) -> "_Prepared":
+        """The slow path, once per call signature: describe the call, choose the plan."""
+        q, k, v = n.q, n.k, n.v
         call = AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
                         n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
         cand = [f for f in self.candidates(func) if f in self.kernels]
-        ckey = None
-        # drop families that failed verification for this class of call
-        for f in list(cand):
-            if f != "sdpa":
-                k_ = class_key(f, call.dtype, call.head_dim, call.layout, call.heads, call.kv_heads,
-                               call.q_len, call.kv_len)
-                if self.verifier.known_bad(k_):
-                    cand.remove(f)
-        choice = self.choice_for(call, tuple(cand), q.device)
-        plan = choice.plan
+        # families that failed verification for this class of call are not candidates
+        cand = [f for f in cand if f == "sdpa" or not self.verifier.known_bad(self._class_key(f, call, call.layout))]
+        plan = self.choice_for(call, tuple(cand), q.device).plan
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
-        report.count(f"plan:{plan.kind}")
-        if plan.kind == "sdpa" and plan.reasons:
-            report.fallback("; ".join(plan.reasons), shape_key)
-        elif plan.kind != "direct":
+        if plan.kind not in ("direct", "sdpa"):
             report.once(("plan", shape_key, plan.kind), logging.INFO,
                         "SafeSage: %s -> %s", shape_key, plan.describe())
         report.remember_plan(shape_key, plan.describe())
+        return _Prepared(plan, call, shape_key, f"plan:{plan.kind}",
+                         "; ".join(plan.reasons) if plan.kind == "sdpa" and plan.reasons else None,
+                         None if plan.kernel == "sdpa" else self._class_key(plan.kernel, call, plan.layout))
 
-        out = self.run_plan(plan, n)
+    @staticmethod
+    def _class_key(family: str, call: AttnCall, layout: str) -> tuple:
+        return class_key(family, call.dtype, call.head_dim, layout, call.heads, call.kv_heads,
+                         call.q_len, call.kv_len)
 
-        if plan.kernel != "sdpa":
-            ckey = class_key(plan.kernel, call.dtype, call.head_dim, plan.layout, call.heads,
-                             call.kv_heads, call.q_len, call.kv_len)
-            if self.verifier.needs_probe(ckey):
-                kern = self.kernels[plan.kernel]
-                verdict = compare(out, q, k, v, n.scale, kern.tolerance)
-                self.verifier.record(ckey, verdict)
-                report.count("probes")
-                if not verdict.ok:
-                    report.count("probe_failures")
-                    report.once(("probe", ckey), logging.ERROR,
-                                "SafeSage: kernel %s FAILED verification for %s (%s); recomputing with "
-                                "PyTorch SDPA and not using it again for this class of call in this process.",
-                                plan.kernel, shape_key, verdict.detail)
-                    report.fallback(f"{plan.kernel} failed verification ({verdict.detail})", shape_key)
-                    out = self.run_plan(sdpa_plan(call, (f"{plan.kernel} failed verification",)), n)
-        return out
+    def _verify(self, p: "_Prepared", n: Normalised, out: torch.Tensor) -> torch.Tensor:
+        kern = self.kernels[p.plan.kernel]
+        verdict = compare(out, n.q, n.k, n.v, n.scale, kern.tolerance)
+        self.verifier.record(p.class_key, verdict)
+        report.count("probes")
+        if verdict.ok:
+            return out
+        report.count("probe_failures")
+        report.once(("probe", p.class_key), logging.ERROR,
+                    "SafeSage: kernel %s FAILED verification for %s (%s); recomputing with "
+                    "PyTorch SDPA and not using it again for this class of call in this process.",
+                    p.plan.kernel, p.shape_key, verdict.detail)
+        report.fallback(f"{p.plan.kernel} failed verification ({verdict.detail})", p.shape_key)
+        self._prepared.clear()          # re-plan every signature without the failed family
+        return self.run_plan(sdpa_plan(p.call, (f"{p.plan.kernel} failed verification",)), n)
 
     # --------------------------------------------------------------- running
     def run_plan(self, plan: Plan, n: Normalised) -> torch.Tensor:
