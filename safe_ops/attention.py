@@ -113,6 +113,7 @@ class Normalised:
     scale: float | None
     caller_layout: str       # the layout ComfyUI's own sage path would use
     skip_output_reshape: bool
+    low_precision_ok: bool = True   # False: the model asked for full-precision attention
 
     def finish(self, out_hnd: torch.Tensor) -> torch.Tensor:
         """Shape the [B,H,Sq,D] result the way ComfyUI's attention functions return it."""
@@ -187,7 +188,10 @@ def normalise(args: tuple, kwargs: dict) -> Normalised:
         if mask.ndim == 3:
             mask = mask.unsqueeze(1)
     scale = kwargs.get("scale")
-    return Normalised(qh, kh, vh, qh.shape[1], mask, scale, layout, skip_output_reshape)
+    # ComfyUI's attention_sage runs PyTorch attention when a model passes
+    # low_precision_attention=False (e.g. SAM3); keep that contract.
+    low_ok = get("low_precision_attention", True) is not False
+    return Normalised(qh, kh, vh, qh.shape[1], mask, scale, layout, skip_output_reshape, low_ok)
 
 
 class SafeAttention:
@@ -265,7 +269,7 @@ class SafeAttention:
             report.count("plan:empty")
             return q.new_empty(q.shape)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-               n.caller_layout, n.mask is None, "sage" in getattr(func, "__name__", ""))
+               n.caller_layout, n.mask is None, "sage" in getattr(func, "__name__", ""), n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
             p = self._prepared[key] = self._prepare(n, func)
@@ -282,7 +286,7 @@ class SafeAttention:
         q, k, v = n.q, n.k, n.v
         call = AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
                         n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
-        cand = [f for f in self.candidates(func) if f in self.kernels]
+        cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
         cand = [f for f in cand if f == "sdpa" or not self.verifier.known_bad(self._class_key(f, call, call.layout))]
         plan = self.choice_for(call, tuple(cand), q.device).plan

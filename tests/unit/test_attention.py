@@ -226,7 +226,7 @@ def test_probe_catches_broken_kernel_and_routes_away():
     assert len(kern.launches) == 1 and report.STATS["probes"] == 1
 
 
-def test_probe_size_threshold_and_dtype_classes():
+def test_probe_catches_a_length_threshold():
     """A kernel wrong only above a length: caught at the first call of that size class."""
     threshold = 5000
 
@@ -280,3 +280,28 @@ def test_verifier_failed_class_stays_failed():
     ver.record(key, Verdict(False, 1.0, 0.1))
     ver.record(key, Verdict(True, 0.0, 0.1))
     assert ver.known_bad(key) is not None and ver.failed_families() == {"x"}
+
+
+def test_full_precision_request_is_honoured():
+    """low_precision_attention=False (ComfyUI's contract) -> SDPA, not a quantised kernel."""
+    att, kern = make_attn()
+    q, k, v = (torch.randn(1, 4, 30, 16) for _ in range(3))
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True, low_precision_attention=False)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert not kern.launches and report.STATS["plan:sdpa"] == 1
+    att(raw, q, k, v, 4, skip_reshape=True)
+    assert len(kern.launches) == 1
+
+
+def test_kernel_wrong_for_one_dtype_is_caught_for_that_class_only():
+    def wrong_in_fp16(out):
+        return corrupt_tail(out) if out.dtype == torch.float16 else out
+
+    att, kern = make_attn(env=toy_envelope(small_ints=False),
+                          policy=Policy(kernel="sage", verify="first"), corrupt=wrong_in_fp16)
+    for dt in (torch.float32, torch.float16, torch.float16, torch.float32):
+        q, k, v = (torch.randn(1, 2, 128, 16).to(dt) for _ in range(3))
+        out = att(raw, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out.double(), reference(q, k, v), rtol=2e-3, atol=2e-3)
+    assert report.STATS["probe_failures"] == 1 and report.STATS["probes"] == 2
+    assert len(kern.launches) == 3     # fp32, fp16 (caught), fp32; the second fp16 call skipped sage
