@@ -43,18 +43,28 @@ def gpu_like(n):
     return torch.empty(n, dtype=torch.uint8, device="meta")
 
 
-@pytest.fixture
-def book():
-    events = []
+class Recorder:
+    """An event factory that remembers every event it made."""
 
-    def factory():
+    def __init__(self):
+        self.events = []
+
+    def __call__(self):
         e = FakeEvent()
-        events.append(e)
+        self.events.append(e)
         return e
 
-    b = FenceBook(event_factory=factory)
-    b.events = events
+
+def make_book(**kw):
+    rec = Recorder()
+    b = FenceBook(event_factory=rec, **kw)
+    b.events = rec.events
     return b
+
+
+@pytest.fixture
+def book():
+    return make_book()
 
 
 def test_tensor_kept_alive_until_event_completes(book):
@@ -108,29 +118,17 @@ def test_shared_storage_counted_once(book):
 
 
 def test_bounded_pending_waits_for_oldest():
-    events = []
-
-    def factory():
-        e = FakeEvent()
-        events.append(e)
-        return e
-
-    b = FenceBook(event_factory=factory, max_pending=2)
+    b = make_book(max_pending=2)
     for _ in range(3):
         b.hold([gpu_like(1)])
-    assert events[0].waited and b.stats.waits == 1 and b.stats.pending == 2
+    assert b.events[0].waited and b.stats.waits == 1 and b.stats.pending == 2
 
 
 def test_stream_hop_orders_both_ways():
     origin, target = FakeStream("cur"), FakeStream("legacy")
-    evs = []
-
-    def factory():
-        e = FakeEvent()
-        evs.append(e)
-        return e
-
-    hop = StreamHop(origin, target, factory)
+    rec = Recorder()
+    evs = rec.events
+    hop = StreamHop(origin, target, rec)
     hop.enter()
     assert evs[0].recorded_on is origin and target.waits == [evs[0]]
     hop.exit()
