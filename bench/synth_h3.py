@@ -1,0 +1,174 @@
+"""Write a synthetic MiniMax-H3-shaped fp8_scaled checkpoint (random weights, real dimensions).
+
+The real `minimax_h3_ref2va_pruned_fp8_scaled.safetensors` is not available here, so this writes a
+stand-in that goes through exactly the same ComfyUI loading code: every block / token-refiner
+Linear (qkv_proj, out_proj, mlp.fc1, mlp.fc2) is stored float8_e4m3fn with a 0-d fp32
+`<layer>.weight_scale` (= amax/448) and listed in the safetensors metadata
+`_quantization_metadata`, so ComfyUI 0dd9b154 logs "Found quantization metadata version 1" /
+"Detected mixed precision quantization" and loads them as QuantizedTensor (the encoding
+tests/comfy/tiny_models.py uses, at real size).
+
+Real dimensions by default: hidden 5376, 56 heads x 128, ffn 14336, text_dim 5120, 2 refiner
+blocks; the number of DiT blocks is configurable (`--blocks`, real model 50; each fp8 block is
+~0.39 GB, so 2-4 blocks keep the file small and quick to write). The adaLN modulation is stored
+in the "curve" form that ComfyUI detects from `adaln_t_table` (`--adaln curve`, the default:
+consistent with a "pruned" 50-block checkpoint of ~20 GB) or as the full-width time-embedder form
+(`--adaln full`, +0.52 GB a block in bf16). Other weights are bf16, the output heads / patch
+projections / time embedder fp32 as ComfyUI's H3 model declares them.
+
+Initialisation is fan-in scaled (std = fan_in**-0.5) so the adaLN gates are O(1) and every block
+changes the output. Deterministic from `--seed`: each tensor has its own generator seeded from
+(seed, crc32(name)); numbers differ between a CPU and a CUDA generator, so the device used is
+printed (`--device`, default cuda when available).
+
+    COMFYUI_PATH=/path/to/ComfyUI python bench/synth_h3.py OUT.safetensors --blocks 2 --seed 0
+
+Prints one JSON line describing what was written. Never commit the output.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import zlib
+
+REAL = dict(
+    hidden_size=5376, num_attention_heads=56, attention_head_dim=128, ffn_hidden_size=14336,
+    latents_dim=24, audio_latents_dim=32, text_dim=5120, timestep_input_dim=256,
+    time_embed_hidden_size=5376, time_embed_dim=2688, rope_inv_freq_len=16,
+    token_refiner_num_layers=2,
+)
+QUANT_SUFFIXES = (".attn.qkv_proj", ".attn.out_proj", ".mlp.fc1", ".mlp.fc2")
+
+
+def _setup_comfy(root: str | None):
+    root = root or os.environ.get("COMFYUI_PATH")
+    if not root or not os.path.isfile(os.path.join(root, "comfy", "model_management.py")):
+        sys.exit("synth_h3: --comfy / COMFYUI_PATH must point at a ComfyUI tree with MiniMax H3 (0dd9b154)")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return root
+
+
+def shapes(blocks: int, adaln: str, curve_k: int, curve_grid: int, dims: dict | None = None):
+    """{name: (shape, kind)} of the H3 state dict, from ComfyUI's own module on the meta device."""
+    import comfy.ops
+    import torch
+    from comfy.ldm.minimax.model import MiniMaxH3Model
+
+    cfg = dict(REAL if dims is None else dims)
+    cfg["num_layers"] = blocks
+    if adaln == "curve":
+        cfg["adaln_curve_grid"] = curve_grid
+        cfg["time_embed_dim"] = curve_k
+    with torch.device("meta"):
+        m = MiniMaxH3Model(**cfg, dtype=torch.bfloat16, device="meta", operations=comfy.ops.disable_weight_init)
+    out = {}
+    for k, v in m.state_dict().items():
+        out[k] = (tuple(v.shape), v.dtype)
+    return out, cfg
+
+
+def _gen(name: str, seed: int, device):
+    import torch
+    g = torch.Generator(device=device)
+    g.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2 ** 63))
+    return g
+
+
+def build(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 64, curve_grid: int = 1001,
+          device: str | None = None, dims: dict | None = None):
+    """Return (state_dict on CPU, metadata, info)."""
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    shp, cfg = shapes(blocks, adaln, curve_k, curve_grid, dims)
+    sd, quant_layers = {}, {}
+    for k, (shape, dtype) in shp.items():
+        if k == "rope.inv_freq":
+            n = shape[0]
+            sd[k] = 1.0 / (10000.0 ** (torch.arange(n, dtype=torch.float32) / n))
+            continue
+        g = _gen(k, seed, device)
+        if k == "adaln_t_table":  # [grid, K] time-embedding curve basis: smooth in t, O(1)
+            grid, kk = shape
+            t = torch.linspace(0, 1, grid, device=device, dtype=torch.float32)[:, None]
+            freq = torch.randn(1, kk, generator=g, device=device) * 3.0
+            phase = torch.rand(1, kk, generator=g, device=device) * 6.2832
+            sd[k] = torch.sin(t * freq + phase).cpu().contiguous()
+            continue
+        if len(shape) >= 2:
+            fan_in = 1
+            for s in shape[1:]:
+                fan_in *= s
+            w = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * fan_in ** -0.5
+        elif k.endswith("bias"):
+            w = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02
+        else:  # norm weights
+            w = torch.ones(shape, device=device, dtype=torch.float32)
+        layer = k[: -len(".weight")] if k.endswith(".weight") else None
+        if (layer is not None and w.dim() == 2 and layer.endswith(QUANT_SUFFIXES)
+                and layer.startswith(("blocks.", "token_refiner.blocks."))):
+            scale = (w.abs().amax() / 448.0).clamp(min=1e-12).to(torch.float32)
+            sd[k] = (w / scale).to(torch.float8_e4m3fn).cpu().contiguous()
+            sd[layer + ".weight_scale"] = scale.reshape(()).cpu()
+            quant_layers[layer] = {"format": "float8_e4m3fn"}
+        else:
+            keep = torch.float32 if dtype == torch.float32 else torch.bfloat16
+            sd[k] = w.to(keep).cpu().contiguous()
+        del w
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": quant_layers})}
+    info = {
+        "blocks": blocks, "refiner_blocks": cfg["token_refiner_num_layers"], "seed": seed, "adaln": adaln,
+        "generator_device": str(device), "quantized_layers": len(quant_layers),
+        "hidden_size": cfg["hidden_size"], "heads": cfg["num_attention_heads"],
+        "head_dim": cfg["attention_head_dim"], "ffn": cfg["ffn_hidden_size"], "text_dim": cfg["text_dim"],
+    }
+    return sd, metadata, info
+
+
+def write(out: str, **kw) -> dict:
+    import comfy.model_detection
+    import safetensors.torch
+
+    t0 = time.time()
+    sd, metadata, info = build(**kw)
+    detected = comfy.model_detection.model_config_from_unet(sd, "", metadata=metadata)
+    if detected is None or type(detected).__name__ != "MiniMaxH3":
+        raise SystemExit("synth_h3: detected as %r, expected MiniMaxH3" % (type(detected).__name__,))
+    os.makedirs(os.path.dirname(os.path.abspath(out)) or ".", exist_ok=True)
+    safetensors.torch.save_file(sd, out, metadata=metadata)
+    info.update(path=out, detected=type(detected).__name__, bytes=os.path.getsize(out),
+                seconds=round(time.time() - t0, 1))
+    return info
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--blocks", type=int, default=2, help="DiT blocks (real model: 50)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--adaln", choices=["curve", "full"], default="curve")
+    ap.add_argument("--device", default=None, help="generator device (default: cuda if available)")
+    ap.add_argument("--comfy", default=None, help="ComfyUI tree (default: $COMFYUI_PATH)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny dims (hidden 256, 2x128 heads, ffn 512) for CPU smoke tests; not H3-sized")
+    a = ap.parse_args(argv)
+    _setup_comfy(a.comfy)
+    import comfy.cli_args
+    import torch
+    if a.device == "cpu" or not torch.cuda.is_available():
+        comfy.cli_args.args.cpu = True  # before comfy.model_management is imported
+    dims = None
+    if a.tiny:
+        dims = dict(REAL, hidden_size=256, num_attention_heads=2, ffn_hidden_size=512, text_dim=5120,
+                    time_embed_hidden_size=256, time_embed_dim=128)
+    info = write(a.out, blocks=a.blocks, seed=a.seed, adaln=a.adaln, device=a.device, dims=dims)
+    print(json.dumps(info))
+
+
+if __name__ == "__main__":
+    main()
