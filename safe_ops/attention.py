@@ -288,7 +288,7 @@ class SafeAttention:
                         n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
         cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
-        cand = [f for f in cand if f == "sdpa" or not self.verifier.known_bad(self._class_key(f, call, call.layout))]
+        cand = [f for f in cand if f == "sdpa" or not self.verifier.known_bad(self._class_key(f, call))]
         plan = self.choice_for(call, tuple(cand), q.device).plan
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
         if plan.kind not in ("direct", "sdpa"):
@@ -297,11 +297,12 @@ class SafeAttention:
         report.remember_plan(shape_key, plan.describe())
         return _Prepared(plan, call, shape_key, f"plan:{plan.kind}",
                          "; ".join(plan.reasons) if plan.kind == "sdpa" and plan.reasons else None,
-                         None if plan.kernel == "sdpa" else self._class_key(plan.kernel, call, plan.layout))
+                         None if plan.kernel == "sdpa" else self._class_key(plan.kernel, call))
 
     @staticmethod
-    def _class_key(family: str, call: AttnCall, layout: str) -> tuple:
-        return class_key(family, call.dtype, call.head_dim, layout, call.heads, call.kv_heads,
+    def _class_key(family: str, call: AttnCall) -> tuple:
+        """Verdicts are per class of *call* (the caller's layout), whatever plan ran it."""
+        return class_key(family, call.dtype, call.head_dim, call.layout, call.heads, call.kv_heads,
                          call.q_len, call.kv_len)
 
     def _verify(self, p: "_Prepared", n: Normalised, out: torch.Tensor) -> torch.Tensor:
