@@ -14,6 +14,7 @@ from typing import Any
 from . import report
 from .attention import SafeAttention
 from .fences import GLOBAL_FENCES
+from .mlp import install_h3_mlp_patches
 from .policy import Policy
 from .runtime import runtime
 
@@ -69,15 +70,12 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     else:
         warnings.append("this ComfyUI has no DIFFUSION_MODEL wrapper; fences are released by polling only")
 
-    mlp_summary: dict = {"patched": 0, "skipped": "MLP chunking off", "conflicts": []}
-    if policy.mlp_chunking != "off":
-        try:
-            from .mlp import install_h3_mlp_patches
-        except ImportError as e:   # pragma: no cover - mlp module missing from a broken install
-            mlp_summary = {"patched": 0, "skipped": f"mlp module unavailable: {e}", "conflicts": []}
-        else:
-            setting: Any = policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking
-            mlp_summary = install_h3_mlp_patches(m, setting, fences=GLOBAL_FENCES)
+    # Always called: with "off" it removes MLP patches an earlier SafeSage node left on this model.
+    setting: Any = policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking
+    mlp_summary = install_h3_mlp_patches(m, setting, fences=GLOBAL_FENCES)
+    if policy.mlp_chunking == "off":
+        mlp_summary["skipped"] = "MLP chunking off" + (f" (removed {mlp_summary['removed']} earlier patches)"
+                                                       if mlp_summary.get("removed") else "")
     for c in mlp_summary.get("conflicts", []) or []:
         warnings.append(f"MLP patch conflict: {c}")
     report.set_info("mlp_patched", mlp_summary.get("patched", 0))
