@@ -218,8 +218,12 @@ class SafeAttention:
         return self
 
     # ---------------------------------------------------------------- choice
-    def candidates(self, func: Callable | None) -> list[str]:
-        """Kernel families in preference order for this policy (sdpa always last resort)."""
+    def candidates(self, func: Callable | None, comfy_wants_sage: bool | None = None) -> list[str]:
+        """Kernel families in preference order for this policy (sdpa always last resort).
+
+        ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default read from
+        the name of the attention function ComfyUI handed to the override.
+        """
         sage = [f for f in self.kernels if f != "sdpa"]
         if self.policy.kernel == "sdpa":
             return ["sdpa"]
@@ -229,7 +233,8 @@ class SafeAttention:
         if order is not None:
             return order if "sdpa" in order else order + ["sdpa"]
         # Unmeasured GPU: follow what ComfyUI was configured to run.
-        comfy_wants_sage = func is not None and "sage" in getattr(func, "__name__", "")
+        if comfy_wants_sage is None:
+            comfy_wants_sage = func is not None and "sage" in getattr(func, "__name__", "")
         return (sage + ["sdpa"]) if comfy_wants_sage else ["sdpa"] + sage
 
     def _budget(self, device: torch.device) -> int | None:

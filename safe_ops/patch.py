@@ -80,7 +80,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         warnings.append(f"MLP patch conflict: {c}")
     report.set_info("mlp_patched", mlp_summary.get("patched", 0))
 
-    cand = attn.candidates(None)
+    cand = attn.candidates(None, comfy_wants_sage=_comfy_uses_sage())
     lines.append(f"kernel policy '{policy.kernel}': preference {' > '.join(cand)}"
                  + ("" if rt.arch is None or policy.kernel != "auto" else
                     " (from the measured table)" if rt.arch_name in _measured_archs() else
@@ -99,6 +99,17 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     log.info("%s", text)
     return m, {"text": text, "runtime": rt.summary(), "candidates": cand, "mlp": mlp_summary,
                "warnings": warnings}
+
+
+def _comfy_uses_sage() -> bool:
+    """Whether ComfyUI was started with --use-sage-attention (False outside ComfyUI)."""
+    import sys
+    mm = sys.modules.get("comfy.model_management")
+    fn = getattr(mm, "sage_attention_enabled", None)
+    try:
+        return bool(fn()) if callable(fn) else False
+    except Exception:
+        return False
 
 
 def _measured_archs() -> set:
