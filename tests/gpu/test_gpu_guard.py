@@ -15,6 +15,8 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 sys.path.insert(0, BENCH)
 import gpu_attention as ga  # noqa: E402
 
+pytestmark = pytest.mark.gpu
+
 
 @pytest.fixture(autouse=True)
 def _fresh():
