@@ -41,6 +41,7 @@ class Plan:
     extra_bytes: int = 0           # predicted peak bytes beyond a direct call
     cost_us: float = 0.0           # predicted extra device time vs a direct call
     reasons: tuple[str, ...] = ()  # why not direct (violations of the kernel that was asked)
+    kernel_temp_bytes: int = 0     # what one launch allocates itself (quantised copies, output), if known
 
     def describe(self, reasons: bool = True) -> str:
         parts = [f"{self.kind} on {self.kernel} ({self.layout})"]
@@ -51,6 +52,8 @@ class Plan:
         if self.q_chunk:
             parts.append(f"{self.q_chunk:,} query tokens per launch")
         parts.append(f"{self.launches} launch(es), +{self.extra_bytes / 2**20:.1f} MiB, ~+{self.cost_us:.0f} us")
+        if self.kernel_temp_bytes:
+            parts.append(f"kernel temporaries {self.kernel_temp_bytes / 2**20:.0f} MiB per launch")
         s = ", ".join(parts)
         if reasons and self.reasons:
             s += "; because " + "; ".join(self.reasons)
@@ -105,7 +108,7 @@ def plan_for(call: AttnCall, env: Envelope, budget_bytes: int | None = None,
     direct = replace(call, layout=caller_layout)
     viol = check(direct, env)
     if not viol:
-        return Plan("direct", env.family, caller_layout)
+        return Plan("direct", env.family, caller_layout, kernel_temp_bytes=_temp(env, direct))
     # Shape/dtype/device/mask rules cannot be fixed by moving data around.
     hard = [v for v in viol if v.rule not in ("index",)]
     if hard:
@@ -161,7 +164,11 @@ def _priced(call: AttnCall, env: Envelope, repack: tuple[str, ...], layout: str,
     kind = ("head_groups" if n_groups > 1 else "query_chunks" if n_chunks > 1
             else "repack" if repack else "direct")
     return Plan(kind, env.family, layout, tuple(repack), g if n_groups > 1 else 0,
-                qc if n_chunks > 1 else 0, launches, extra, cost, reasons)
+                qc if n_chunks > 1 else 0, launches, extra, cost, reasons, _temp(env, sub))
+
+
+def _temp(env: Envelope, call: AttnCall) -> int:
+    return env.temp_bytes(call) if env.temp_bytes is not None else 0
 
 
 def sdpa_plan(call: AttnCall, reasons: tuple[str, ...] = ()) -> Plan:
