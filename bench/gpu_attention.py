@@ -213,7 +213,23 @@ def bench(args) -> dict:
             tk.append(_time_ms(kin, reps))
             ts.append(_time_ms(sd, reps))
         flops = 4 * S * S * HEADS * D
+        # the same plan with the repack copied into the other layout (checks the planner's pick)
+        alt_ms = None
+        plan = next(iter(att._prepared.values())).plan
+        if plan.repack:
+            import dataclasses
+
+            from safe_ops.attention import normalise
+            from safe_ops.envelope import check
+            from safe_ops.planner import _sub_call
+            alt = dataclasses.replace(plan, layout="HND" if plan.layout == "NHD" else "NHD")
+            call = next(iter(att._prepared.values())).call
+            if not check(_sub_call(call, plan.head_group or HEADS, plan.q_chunk or S, alt.repack, alt.layout),
+                         att.kernels[plan.kernel].envelope):
+                nn = normalise((q, k, v, HEADS), {"skip_reshape": True, "skip_output_reshape": True})
+                alt_ms = _time_ms(lambda: att.run_plan(alt, nn), reps)
         row = {"S": S, "plan": next(iter(report.PLANS.values()), ""),
+               "other_layout_repack_ms": alt_ms,
                "guarded_ms": min(tg), "inlimit_kernel_ms": min(tk), "sdpa_ms": min(ts),
                "guarded_over_inlimit": min(tg) / min(tk), "guarded_over_sdpa": min(tg) / min(ts),
                "tflops": {"sage1_triton": flops / min(tk) / 1e9, "sdpa": flops / min(ts) / 1e9,

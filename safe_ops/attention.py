@@ -378,8 +378,13 @@ class SafeAttention:
         qc = plan.q_chunk or Sq
         ratio = H // k.shape[1]
 
+        nhd = plan.layout == "NHD"
+
         def prep(t: torch.Tensor, name: str) -> torch.Tensor:
-            return t.contiguous() if name in plan.repack else t
+            """A repacked tensor is contiguous in the kernel's layout (still seen as HND here)."""
+            if name not in plan.repack:
+                return t
+            return t.transpose(1, 2).contiguous().transpose(1, 2) if nhd else t.contiguous()
 
         def launch(qs, ks, vs) -> torch.Tensor:
             if plan.layout == "NHD":

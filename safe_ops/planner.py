@@ -5,7 +5,8 @@ planner is a pure function of (call, envelope, budget): it enumerates the
 transformations that keep results identical to an in-envelope run --
 
 * ``direct``        launch as called;
-* ``repack``        copy some of q/k/v to contiguous HND first (small strides);
+* ``repack``        copy some of q/k/v to a contiguous layout first (small strides),
+                    HND or NHD, whichever copy keeps the source's memory order;
 * ``head_groups``   launch per group of heads (each group's tensors repacked or
                     as views), writing into one preallocated output;
 * ``query_chunks``  launch per slice of query tokens (keys/values whole);
@@ -27,6 +28,7 @@ from .envelope import AttnCall, Envelope, TensorDesc, Violation, check
 COPY_BYTES_PER_US = 2.0e6         # ~2 TB/s effective for strided copies
 LAUNCH_US = 25.0                  # sage launches 2-3 kernels per call
 MIN_Q_CHUNK = 1024                # below this, per-launch overhead dominates: prefer another plan
+TRANSPOSE_COPY_FACTOR = 2.0       # a copy that changes memory order vs one that keeps it
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,7 @@ class Plan:
     def describe(self, reasons: bool = True) -> str:
         parts = [f"{self.kind} on {self.kernel} ({self.layout})"]
         if self.repack:
-            parts.append("repack " + "/".join(self.repack) + " to contiguous HND")
+            parts.append("repack " + "/".join(self.repack) + f" to contiguous {self.layout}")
         if self.head_group:
             parts.append(f"{self.head_group} heads per launch")
         if self.q_chunk:
@@ -71,7 +73,7 @@ def _sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], l
         src: TensorDesc = getattr(call, name)
         shape = (src.shape[0], h, s, src.shape[3])
         if name in repack:
-            return TensorDesc.contiguous(shape, "HND")
+            return TensorDesc.contiguous(shape, layout)   # copied into the kernel's layout
         return TensorDesc(shape, src.stride)      # a view into the caller's tensor
 
     return replace(call, q=desc("q", heads, q_len), k=desc("k", kv_heads, call.kv_len),
@@ -119,8 +121,7 @@ def plan_for(call: AttnCall, env: Envelope, budget_bytes: int | None = None,
     best: Plan | None = None
 
     for r in range(0, 4):
-        for repack in itertools.combinations(("q", "k", "v"), r):
-            layout = "HND" if repack else caller_layout
+        for repack, layout in _repack_options(r, caller_layout):
             for g in _candidates_g(call):
                 # largest query chunk that fits for this (repack, g)
                 def fits(qc: int, g=g, repack=repack, layout=layout) -> bool:
@@ -140,6 +141,21 @@ def plan_for(call: AttnCall, env: Envelope, budget_bytes: int | None = None,
     return best
 
 
+def _repack_options(r: int, caller_layout: str):
+    """(tensors to copy, kernel layout): no copy keeps the caller's layout; a copy may go to either."""
+    for repack in itertools.combinations(("q", "k", "v"), r):
+        for layout in ((caller_layout,) if not repack else ("HND", "NHD")):
+            yield repack, layout
+
+
+def _copy_factor(src: TensorDesc, layout: str) -> float:
+    """Relative cost of copying ``src`` into ``layout``: a copy that keeps the source's memory
+    order (token-major source -> NHD, head-major -> HND) streams rows; one that does not
+    transposes them."""
+    token_major = src.stride[2] > src.stride[1]
+    return 1.0 if token_major == (layout == "NHD") else TRANSPOSE_COPY_FACTOR
+
+
 def _priced(call: AttnCall, env: Envelope, repack: tuple[str, ...], layout: str, g: int, qc: int,
             elt: int, reasons: tuple[str, ...]) -> Plan:
     """The plan launching ``g`` heads x ``qc`` query tokens at a time, with its bytes and cost."""
@@ -156,7 +172,7 @@ def _priced(call: AttnCall, env: Envelope, repack: tuple[str, ...], layout: str,
         extra += _nbytes(sub.q, elt)
     copy_bytes = 0
     for n in repack:                                       # each element copied once
-        copy_bytes += 2 * _nbytes(getattr(call, n), elt)
+        copy_bytes += 2 * _nbytes(getattr(call, n), elt) * _copy_factor(getattr(call, n), layout)
     if split:
         copy_bytes += 2 * _nbytes(call.q, elt)             # launch outputs into the result
     copy_bytes += (n_chunks - 1) * 2 * _nbytes(call.k, elt)  # k re-quantised per query chunk

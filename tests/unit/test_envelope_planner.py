@@ -127,6 +127,7 @@ def test_repack_fixes_strided_overflow(S):
     call = call_of(h3_view(S))
     p = plan_for(call, SAGE1_TRITON)
     assert p.kind == "repack" and set(p.repack) == {"q", "k"}     # v's token term is not computed in i32
+    assert p.layout == "NHD"      # H3's views are token-major: an NHD copy streams rows, HND would transpose
     assert p.extra_bytes == 2 * 56 * S * 128 * 2
     assert p.reasons and f"{S:,}" in p.reasons[0]
     # every launch of the plan is inside the envelope
@@ -142,7 +143,7 @@ def test_head_groups_past_contiguous_head_limit():
     assert p.kernel_temp_bytes * 2 == pytest.approx(env.temp_bytes(call_of(h3_view(S))), rel=1e-3)
     t = TensorDesc.contiguous((1, 56, S, 128), "HND")
     p2 = plan_for(call_of(t), SAGE1_TRITON)
-    assert p2.kind == "head_groups" and not p2.repack
+    assert p2.kind == "head_groups" and not p2.repack and p2.layout == "HND"
 
 
 def test_budget_forces_smaller_groups_or_none():
