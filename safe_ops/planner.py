@@ -39,7 +39,7 @@ class Plan:
     kind: str                      # direct | repack | head_groups | query_chunks | sdpa
     kernel: str                    # envelope family that runs
     layout: str                    # tensor_layout handed to the kernel
-    repack: tuple[str, ...] = ()   # which of q/k/v are copied to contiguous HND
+    repack: tuple[str, ...] = ()   # which of q/k/v are copied, contiguous in `layout`
     head_group: int = 0            # heads per launch (0 = all)
     q_chunk: int = 0               # query tokens per launch (0 = all)
     launches: int = 1
