@@ -18,7 +18,7 @@ import torch
 from . import report
 from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
 from .fences import GLOBAL_FENCES, FenceBook, StreamHop
-from .planner import Choice, Plan, choose, sdpa_plan
+from .planner import Plan, choose, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
 from .runtime import Runtime, measured_order, runtime
@@ -155,7 +155,7 @@ def normalise(args: tuple, kwargs: dict) -> Normalised:
     if not isinstance(heads, int) or heads < 1:
         raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
     dq = q.get_device()                      # an int: cheaper than building torch.device objects
-    if dq != k.get_device() or dq != v.get_device() or q.device.type != k.device.type:
+    if dq != k.get_device() or dq != v.get_device():
         raise UnsupportedCall("q, k and v are on different devices")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise UnsupportedCall(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
@@ -209,7 +209,6 @@ class SafeAttention:
             kernels = [sk] if sk is not None else []
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
-        self._choices: dict[tuple, Choice] = {}
         self._prepared: dict[tuple, _Prepared] = {}
 
     def __deepcopy__(self, memo):
@@ -248,15 +247,6 @@ class SafeAttention:
                 return None
         return None
 
-    def choice_for(self, call: AttnCall, cand: tuple[str, ...], device: torch.device) -> Choice:
-        key = (call, cand)
-        ch = self._choices.get(key)
-        if ch is None:
-            envs = [self.kernels[f].envelope for f in cand]
-            ch = choose(call, envs, self._budget(device))
-            self._choices[key] = ch
-        return ch
-
     # --------------------------------------------------------------- calling
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
         report.count("attention_calls")
@@ -294,11 +284,8 @@ class SafeAttention:
         cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
         cand = [f for f in cand if f == "sdpa" or not self.verifier.known_bad(self._class_key(f, call))]
-        plan = self.choice_for(call, tuple(cand), q.device).plan
+        plan = choose(call, [self.kernels[f].envelope for f in cand], self._budget(q.device))
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
-        if plan.kind not in ("direct", "sdpa"):
-            report.once(("plan", shape_key, plan.kind), logging.INFO,
-                        "SafeSage: %s -> %s", shape_key, plan.describe())
         report.remember_plan(shape_key, plan.describe())
         return _Prepared(plan, call, shape_key, f"plan:{plan.kind}",
                          "; ".join(plan.reasons) if plan.kind == "sdpa" and plan.reasons else None,

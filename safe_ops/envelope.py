@@ -28,7 +28,6 @@ I64_MAX = 2**63 - 1
 # i16/u16 exist so tests can drive the same mechanism at CPU-sized shapes.
 LIMITS = {"i16": 2**15 - 1, "u16": 2**16 - 1, "i32": I32_MAX, "u32": U32_MAX, "i64": I64_MAX}
 
-AXES = ("b", "h", "s", "d")
 _AXIS_INDEX = {"b": 0, "h": 1, "s": 2, "d": 3}
 
 
@@ -48,9 +47,6 @@ class TensorDesc:
         if layout == "NHD":
             return TensorDesc(shape, (s * h * d, d, h * d, 1))
         raise ValueError(f"unknown layout {layout!r}")
-
-    def is_layout_contiguous(self, layout: str) -> bool:
-        return self.stride == TensorDesc.contiguous(self.shape, layout).stride or self.numel == 0
 
     @property
     def numel(self) -> int:
@@ -77,10 +73,6 @@ class AttnCall:
     device: str = "cuda"            # "cuda" | "cpu" | ...
     arch: str = ""                  # e.g. "sm_90"
     elt_bytes: int = 2
-
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
 
     @property
     def heads(self) -> int:
@@ -110,8 +102,6 @@ class AttnCall:
         src = getattr(self, base)
         if how == "alloc":              # torch.empty(x.shape) in the kernel's layout
             return TensorDesc.contiguous(src.shape, self.layout)
-        if how == "alloc_hnd":          # always HND-contiguous temporaries
-            return TensorDesc.contiguous(src.shape, "HND")
         raise KeyError(role)
 
 
@@ -120,16 +110,15 @@ class AttnCall:
 class IndexTerm:
     """``index(axis) * stride(axis)`` of ``tensor`` computed by ``kernel``.
 
-    ``itype`` is the integer type of the product when the stride fits in i32
-    (the Triton default); ``cast_i64`` marks kernels that cast the index to
-    i64 first. ``cite`` names the source line the term comes from.
+    ``itype`` is the integer type of the product when the stride fits in its
+    type (a kernel that casts the index to i64 first is listed as "i64").
+    ``cite`` names the source line the term comes from.
     """
     kernel: str
     tensor: str        # "q", "k", "v", or "q:alloc" etc. (see AttnCall.derived)
     axis: str          # "b" | "h" | "s"
     itype: str         # "i32" | "u32" | "i64"
     cite: str
-    extent: str = ""   # which length bounds the index: default the tensor's own axis size
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from .attention import SafeAttention
 from .fences import GLOBAL_FENCES
 from .mlp import install_h3_mlp_patches
 from .policy import Policy
-from .runtime import runtime
+from .runtime import kernel_table, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -113,5 +113,4 @@ def _comfy_uses_sage() -> bool:
 
 
 def _measured_archs() -> set:
-    from .runtime import kernel_table
     return set(kernel_table().get("archs", {}))

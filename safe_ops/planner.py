@@ -19,9 +19,9 @@ back to another kernel (SDPA last).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from .envelope import AttnCall, Envelope, TensorDesc, Violation, check
+from .envelope import AttnCall, Envelope, TensorDesc, check
 
 # Cost model constants: bytes per microsecond an HBM copy moves (read + write
 # counted separately), and the fixed cost of one extra launch sequence.
@@ -194,28 +194,21 @@ def sdpa_plan(call: AttnCall, reasons: tuple[str, ...] = ()) -> Plan:
     return Plan("sdpa", "sdpa", "HND", reasons=reasons)
 
 
-@dataclass
-class Choice:
-    """The plan chosen across kernel candidates, with what was ruled out and why."""
-    plan: Plan
-    rejected: dict[str, list[str]] = field(default_factory=dict)
+def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None = None) -> Plan:
+    """First kernel (in preference order) that has a plan; SDPA when none does.
 
-
-def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None = None) -> Choice:
-    """First kernel (in preference order) that has a plan; SDPA when none does."""
-    rejected: dict[str, list[str]] = {}
+    An SDPA plan reached because every sage kernel was ruled out carries the
+    reasons (a fallback); one chosen on purpose (SDPA first in the order) has none.
+    """
+    reasons: list[str] = []
     for env in envelopes:
         if env.family == "sdpa":
             break
         plan = plan_for(call, env, budget_bytes)
         if plan is not None:
-            return Choice(plan, rejected)
+            return plan
         viol = check(call, env)
         hard = [str(v) for v in viol if v.rule != "index"]
-        rejected[env.family] = hard or [f"no plan within {budget_bytes} extra bytes: " + "; ".join(map(str, viol))]
-    reasons = tuple(f"{k}: {'; '.join(v)}" for k, v in rejected.items())
-    return Choice(sdpa_plan(call, reasons), rejected)
-
-
-def violations_text(viol: list[Violation]) -> str:
-    return "; ".join(str(v) for v in viol)
+        why = "; ".join(hard) or f"no plan within {budget_bytes} extra bytes: " + "; ".join(map(str, viol))
+        reasons.append(f"{env.family}: {why}")
+    return sdpa_plan(call, tuple(reasons))

@@ -262,7 +262,7 @@ def test_plan_cache_is_per_shape():
     q, k, v = h3_like(300)
     for _ in range(5):
         att(raw, q, k, v, 4, skip_reshape=True)
-    assert len(att._choices) == 1 and report.STATS["plan:repack"] == 5
+    assert len(att._prepared) == 1 and report.STATS["plan:repack"] == 5
     assert len(report.PLANS) == 1
 
 
