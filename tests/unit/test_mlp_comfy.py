@@ -295,10 +295,8 @@ def int8_mlp():
     return m
 
 
-def test_int8_fused_swiglu_fc2_per_chunk(monkeypatch, stats):
-    """linear_input_act's INT8 path (SwiGLU fused into fc2's per-row INT8 input quantiser):
-    kept, per chunk, on the one cast weight; bitwise equal (per-row quantisation)."""
-    m = int8_mlp()
+def _spy_int8_linear(monkeypatch):
+    """Records the input_act of every comfy-kitchen int8_linear call (the fused INT8 branch)."""
     ck = comfy.ops.quant_ops.ck
     acts = []
     real = ck.int8_linear
@@ -307,6 +305,14 @@ def test_int8_fused_swiglu_fc2_per_chunk(monkeypatch, stats):
         acts.append(k.get("input_act"))
         return real(*a, **k)
     monkeypatch.setattr(ck, "int8_linear", spy)
+    return acts
+
+
+def test_int8_fused_swiglu_fc2_per_chunk(monkeypatch, stats):
+    """linear_input_act's INT8 path (SwiGLU fused into fc2's per-row INT8 input quantiser):
+    kept, per chunk, on the one cast weight; bitwise equal (per-row quantisation)."""
+    m = int8_mlp()
+    acts = _spy_int8_linear(monkeypatch)
     x = _x(300)
     cc = CastCounter(monkeypatch)
     y = mlp.h3_mlp_forward(m, x, 64, fences=None, stats=stats)
@@ -476,14 +482,7 @@ def test_fc2_branch_matches_comfy_linear_input_act(monkeypatch, kind):
     m = make()
     S, chunk = 300, 64
     h = (torch.randn(S, 2 * FFN, generator=torch.Generator().manual_seed(21)) * 2).to(torch.bfloat16)
-    ck = comfy.ops.quant_ops.ck
-    int8_calls = []
-    real_int8 = ck.int8_linear
-
-    def spy(*a, **k):
-        int8_calls.append(k.get("input_act"))
-        return real_int8(*a, **k)
-    monkeypatch.setattr(ck, "int8_linear", spy)
+    int8_calls = _spy_int8_linear(monkeypatch)
     want = comfy.ops.linear_input_act(m.fc2, h.clone(), "swiglu")
     assert int8_calls == (["swiglu"] if branch == "int8" else []), "ComfyUI took the expected branch"
     int8_calls.clear()
