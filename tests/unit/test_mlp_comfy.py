@@ -448,6 +448,18 @@ def test_swiglu_matches_comfy_swiglu_eager(dtype):
     assert not torch.equal(got, mlp.swiglu_inplace(h.roll(FFN, dims=-1).clone())), "halves are not symmetric"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_fp8_matches_comfy_kitchen(dtype):
+    """safe_ops.mlp.dequantize_fp8 (bench/bench_mlp.py's weights) vs comfy-kitchen's own
+    dequantize_per_tensor_fp8, the one ComfyUI's fp8 QuantizedTensor uses: bitwise."""
+    ck = comfy.ops.quant_ops.ck
+    state = _fp8_state(torch.nn.Linear(HIDDEN, 2 * FFN), 17)
+    q, scale = state["weight"], state["weight_scale"]
+    want = ck.dequantize_per_tensor_fp8(q, scale, dtype)
+    got = mlp.dequantize_fp8(q, scale, dtype)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
 def _lora_int8_mlp():
     m = int8_mlp()
     d = torch.randn(m.fc2.weight.shape, generator=torch.Generator().manual_seed(8)) * 1e-3
