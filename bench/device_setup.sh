@@ -24,7 +24,7 @@ ss_base() {
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site "$SS_ROOT"/.whl/*.whl || return 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    if [ ! -d /tmp/comfy/c0dd ]; then
+    if [ ! -d /tmp/comfy/c0dd ] && [ -f "$SS_ROOT/.gpu/ComfyUI-0dd9b154.tgz" ]; then
         mkdir -p /tmp/comfy && tar -C /tmp/comfy -xzf "$SS_ROOT/.gpu/ComfyUI-0dd9b154.tgz" || return 1
     fi
     export SS_COMFY=/tmp/comfy/c0dd
