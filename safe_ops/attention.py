@@ -10,7 +10,7 @@ whose every launch is inside the envelope of the kernel that executes it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -29,6 +29,8 @@ log = logging.getLogger("SafeSage")
 FREE_MEMORY_FRACTION = 0.5
 
 KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"], torch.Tensor]
+KernelLseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"],
+                       "tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
@@ -37,10 +39,21 @@ class Kernel:
 
     ``fn`` receives tensors in ``layout`` order (HND ``[B,H,S,D]`` or NHD
     ``[B,S,H,D]``) and returns the output in the same layout.
+
+    ``fn_lse`` (optional, same arguments) returns ``(out, lse)``: ``lse`` float32
+    ``[B,H,Sq]`` whatever the layout, the natural log of ``sum_j exp(scale * q.k_j)`` over
+    the keys it was given, up to a per-row constant that is the same for every slice of
+    the keys of one call (what key/value-chunked plans need to merge exactly). Without it
+    the envelope's ``returns_lse`` is switched off, so the planner never makes kv_chunks.
     """
     envelope: Envelope
     fn: KernelFn
     tolerance: float = DEFAULT_TOLERANCE
+    fn_lse: KernelLseFn | None = None
+
+    def __post_init__(self):
+        if self.fn_lse is None and self.envelope.returns_lse:
+            self.envelope = replace(self.envelope, returns_lse=False)
 
     @property
     def family(self) -> str:
@@ -75,24 +88,42 @@ def sage_kernel(rt: Runtime) -> Kernel | None:
     fam = rt.sage_family
     if fam is None or fam not in FAMILIES:
         return None
-    import sageattention
-
     if fam == "sage1_triton":
         from sageattention import sageattn
 
         def fn(q, k, v, layout, scale):
             return sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=False)
-    else:
-        from .envelope_sage2 import SAGEATTN_CALL
-        if fam not in SAGEATTN_CALL or not hasattr(sageattention, SAGEATTN_CALL[fam][0]):
-            return None
-        name, extra = SAGEATTN_CALL[fam]
-        f = getattr(sageattention, name)
 
-        def fn(q, k, v, layout, scale):
-            return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **extra)
+        return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE))
+    return sage2_kernel(fam)
 
-    return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE))
+
+def sage2_kernel(fam: str) -> Kernel | None:
+    """The sage 2.2 family ``fam`` as a Kernel (None when this build lacks its function).
+
+    ``fn_lse`` (for kv_chunks) calls the same function with ``return_lse=True`` and
+    ``smooth_k=False`` on keys the plan already centred (``Envelope.lse_centred_k``).
+    """
+    from .envelope_sage2 import SAGEATTN_CALL
+    try:
+        import sageattention
+    except Exception:
+        return None
+    if fam not in SAGEATTN_CALL or fam not in FAMILIES or not hasattr(sageattention, SAGEATTN_CALL[fam][0]):
+        return None
+    name, extra = SAGEATTN_CALL[fam]
+    f = getattr(sageattention, name)
+
+    def fn(q, k, v, layout, scale):
+        return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **extra)
+
+    def fn_lse(q, k, v, layout, scale):
+        # keys arrive centred on the whole sequence's mean (Envelope.lse_centred_k): no
+        # per-chunk smoothing, and core.py returns lse / log2(e) with no rounded correction
+        return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale,
+                 return_lse=True, **{**extra, "smooth_k": False})
+
+    return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE), fn_lse)
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -361,8 +392,10 @@ class SafeAttention:
         if plan.kind == "sdpa":
             return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
         B, H, Sq, D = q.shape
+        Skv = k.shape[2]
         g = plan.head_group or H
         qc = plan.q_chunk or Sq
+        kc = plan.kv_chunk or Skv
         ratio = H // k.shape[1]
 
         nhd = plan.layout == "NHD"
@@ -382,16 +415,85 @@ class SafeAttention:
                 fence([qs, ks, vs, o])
             return o
 
-        if g >= H and qc >= Sq:
+        if g >= H and qc >= Sq and kc >= Skv:
             return launch(prep(q, "q"), prep(k, "k"), prep(v, "v"))
 
         out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
         for h0 in range(0, H, g):
             h1 = min(h0 + g, H)
-            ks = prep(k[:, h0 // ratio:h1 // ratio], "k")
-            vs = prep(v[:, h0 // ratio:h1 // ratio], "v")
+            kh, vh = k[:, h0 // ratio:h1 // ratio], v[:, h0 // ratio:h1 // ratio]
+            if kc < Skv:
+                self._launch_kv_chunks(plan, kern, n, fence, prep, out, h0, h1, kh, vh, kc)
+                continue
+            ks = prep(kh, "k")
+            vs = prep(vh, "v")
             for s0 in range(0, Sq, qc):
                 s1 = min(s0 + qc, Sq)
                 out[:, h0:h1, s0:s1].copy_(launch(prep(q[:, h0:h1, s0:s1], "q"), ks, vs))
             del ks, vs
         return out
+
+    @staticmethod
+    def _launch_kv_chunks(plan: Plan, kern: Kernel, n: Normalised, fence, prep, out: torch.Tensor,
+                          h0: int, h1: int, kh: torch.Tensor, vh: torch.Tensor, kc: int) -> None:
+        """Heads h0:h1 of ``out`` from launches over ``kc`` keys at a time, merged exactly.
+
+        Per (head group x query chunk) block: a running float32 accumulator of the
+        normalised output and a running LSE; each key chunk's output ``o_c`` (LSE ``l_c``)
+        is folded in as ``acc = acc*exp(L - L') + o_c*exp(l_c - L')`` with
+        ``L' = logaddexp(L, l_c)``. Peak beyond the result: the accumulator (4 bytes per
+        element of the block), one launch's output and temporaries, the centred key chunk
+        and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
+        """
+        q = n.q
+        B, _, Sq, D = q.shape
+        Skv = kh.shape[2]
+        qc = plan.q_chunk or Sq
+        nhd = plan.layout == "NHD"
+        centre = kern.envelope.lse_centred_k
+        # the unchunked call's smooth_k subtracts this mean (sage core.py: k.mean(seq_dim))
+        km = kh.mean(dim=2, keepdim=True) if centre else None
+
+        def key_chunk(c0: int, c1: int) -> torch.Tensor:
+            ks = kh[:, :, c0:c1]
+            if km is None:
+                return prep(ks, "k")
+            shape = (B, ks.shape[2], ks.shape[1], D) if nhd else tuple(ks.shape)
+            buf = torch.empty(shape, dtype=ks.dtype, device=ks.device)
+            buf = buf.transpose(1, 2) if nhd else buf
+            return torch.sub(ks, km, out=buf)
+
+        for s0 in range(0, Sq, qc):
+            s1 = min(s0 + qc, Sq)
+            qs = prep(q[:, h0:h1, s0:s1], "q")
+            acc = run = None
+            for c0 in range(0, Skv, kc):
+                c1 = min(c0 + kc, Skv)
+                ks = key_chunk(c0, c1)
+                vs = prep(vh[:, :, c0:c1], "v")
+                if nhd:
+                    o, lse = kern.fn_lse(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                         "NHD", n.scale)
+                    o = o.transpose(1, 2)
+                else:
+                    o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
+                if fence is not None:
+                    fence([qs, ks, vs, o, lse])
+                acc, run = lse_merge(acc, run, o, lse)
+                del ks, vs, o, lse
+            out[:, h0:h1, s0:s1].copy_(acc)
+            del acc, run, qs
+
+
+def lse_merge(acc: torch.Tensor | None, run: torch.Tensor | None, o: torch.Tensor,
+              lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold one key chunk's normalised output ``o`` [B,H,S,D] with LSE ``lse`` [B,H,S] into
+    the running float32 ``acc`` / ``run`` (None to start). Exact: softmax over the union of
+    the chunks' keys, as long as every ``lse`` is off by the same per-row constant."""
+    lse = lse.float()
+    if acc is None:
+        return o.float().clone() if o.dtype == torch.float32 else o.float(), lse
+    new = torch.logaddexp(run, lse)
+    acc.mul_(torch.exp(run - new).unsqueeze(-1))
+    acc.addcmul_(o, torch.exp(lse - new).unsqueeze(-1))
+    return acc, new
