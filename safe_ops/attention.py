@@ -10,6 +10,8 @@ whose every launch is inside the envelope of the kernel that executes it.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
@@ -18,15 +20,29 @@ import torch
 from . import report
 from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
 from .fences import GLOBAL_FENCES, FenceBook, StreamHop
-from .planner import Plan, choose, sdpa_plan
+from .planner import Plan, choose, plan_for, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
-from .runtime import Runtime, measured_order, runtime
+from .runtime import Runtime, auto_order, comfy_attention_choice, runtime
 
 log = logging.getLogger("SafeSage")
 
 # Fraction of currently free device memory a plan may use for its own copies.
 FREE_MEMORY_FRACTION = 0.5
+BUDGET_STEP = 2 ** 0.25      # budget buckets (~19% apart): a plan is re-chosen when free memory moves
+BUDGET_POLL_S = 0.05         # free memory is re-read at most this often
+
+
+def budget_bucket(nbytes: int) -> int:
+    """``nbytes`` rounded down to a power of BUDGET_STEP (0 for nothing free)."""
+    if nbytes <= 0:
+        return 0
+    quarters = math.floor(4 * math.log2(nbytes) + 1e-9)        # BUDGET_STEP = 2 ** (1/4)
+    while True:
+        b = int(2 ** (quarters // 4) * 2 ** ((quarters % 4) / 4))
+        if b <= nbytes:
+            return b
+        quarters -= 1
 
 KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"], torch.Tensor]
 KernelLseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"],
@@ -124,6 +140,37 @@ def sage2_kernel(fam: str) -> Kernel | None:
                  return_lse=True, **{**extra, "smooth_k": False})
 
     return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE), fn_lse)
+
+
+def ck_kernel(rt: Runtime | None = None) -> Kernel | None:
+    """comfy-kitchen's ``int8_attention`` as a Kernel, or None (reason in ``rt.ck_error``).
+
+    It takes ``[B,H,L,D]`` with any strides, so an NHD plan hands it transposed views; it
+    returns no LSE (``Envelope.returns_lse`` False: no kv_chunks)."""
+    rt = rt or runtime()
+    fam = rt.ck_family
+    if fam is None:
+        return None
+    from .envelope_ck import CK_INT8  # noqa: F401  (registers the ck families)
+    if fam not in FAMILIES:
+        return None
+    try:
+        import comfy_kitchen
+        f = comfy_kitchen.int8_attention
+    except Exception:
+        return None
+
+    def fn(q, k, v, layout, scale):
+        if layout == "NHD":
+            return f(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale).transpose(1, 2)
+        return f(q, k, v, scale=scale)
+
+    return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE))
+
+
+def installed_kernels(rt: Runtime) -> list[Kernel]:
+    """Every usable kernel family here: the sage family sageattn runs, then comfy-kitchen's."""
+    return [kk for kk in (sage_kernel(rt), ck_kernel(rt)) if kk is not None]
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -236,8 +283,7 @@ class SafeAttention:
         self.fences = fences
         self.verifier = verifier or Verifier(policy.verify)
         if kernels is None:
-            sk = sage_kernel(self.rt)
-            kernels = [sk] if sk is not None else []
+            kernels = installed_kernels(self.rt)
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
         self._prepared: dict[tuple, _Prepared] = {}
@@ -259,24 +305,70 @@ class SafeAttention:
             return ["sdpa"]
         if self.policy.kernel == "sage":
             return sage + ["sdpa"]
-        order = measured_order(self.rt.arch_name, sage + ["sdpa"])
-        if order is not None:
-            return order if "sdpa" in order else order + ["sdpa"]
-        # Unmeasured GPU: follow what ComfyUI was configured to run.
-        if comfy_wants_sage is None:
-            comfy_wants_sage = func is not None and "sage" in getattr(func, "__name__", "")
-        return (sage + ["sdpa"]) if comfy_wants_sage else ["sdpa"] + sage
+        # Measured GPU: by measurement; unmeasured: what ComfyUI was configured to run.
+        if comfy_wants_sage is not None:
+            choice = "sage" if comfy_wants_sage else None
+        else:
+            choice = comfy_attention_choice(getattr(func, "__name__", "") if func is not None else "")
+        return auto_order(self.rt.arch_name, sage, choice)[0]
 
     def _budget(self, device: torch.device) -> int | None:
+        """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit).
+
+        Free device memory plus what PyTorch's caching allocator holds unused, times
+        FREE_MEMORY_FRACTION, rounded down to a BUDGET_STEP bucket so that plans are re-chosen
+        only when it really moves. Re-read at most every BUDGET_POLL_S seconds:
+        ``cudaMemGetInfo`` and the allocator counters are host queries -- no stream or device
+        synchronisation -- and they see what ComfyUI's dynamic VRAM (comfy-aimdo) frees or
+        takes between calls.
+        """
         if self.policy.max_extra_bytes is not None:
             return self.policy.max_extra_bytes
-        if device.type == "cuda":
-            try:
-                free, _ = torch.cuda.mem_get_info(device)
-                return int(free * FREE_MEMORY_FRACTION)
-            except Exception:
-                return None
-        return None
+        if device.type != "cuda":
+            return None
+        cache = self.__dict__.setdefault("_budget_cache", {})
+        now = time.monotonic()
+        hit = cache.get(device.index)
+        if hit is not None and now - hit[0] < BUDGET_POLL_S:
+            return hit[1]
+        try:
+            free, _ = torch.cuda.mem_get_info(device)
+            idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            budget = budget_bucket(int((free + max(idle, 0)) * FREE_MEMORY_FRACTION))
+        except Exception:
+            budget = None
+        cache[device.index] = (now, budget)
+        return budget
+
+    def _within_budget(self, plan: Plan, kern: Kernel, n: Normalised) -> Plan:
+        """``plan``, or the same family's best plan for the budget *now* when the budget has
+        moved to another bucket since (cached per call signature and bucket; SDPA when nothing
+        of that family fits any more). Plans chosen under a fixed budget are kept as they are."""
+        q = n.q
+        if plan.kind == "sdpa" or self.policy.max_extra_bytes is not None:
+            return plan
+        budget = self._budget(q.device)          # None off CUDA: no budget, nothing to re-check
+        if budget is None:
+            return plan
+        k, v = n.k, n.v
+        key = (plan, budget, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
+               n.caller_layout)
+        cache = self.__dict__.setdefault("_budget_plans", {})
+        new = cache.get(key)
+        if new is None:
+            call = AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
+                            n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
+            new = plan_for(call, kern.envelope, budget) or sdpa_plan(
+                call, (f"{plan.kernel}: no plan within the {budget / 2**20:,.0f} MiB memory budget now",))
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = new
+            if new != plan:
+                report.count("replans")
+                report.once(("replan", plan, budget), logging.INFO,
+                            "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
+                            new.describe(False), plan.describe(False))
+        return new
 
     # --------------------------------------------------------------- calling
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -389,6 +481,7 @@ class SafeAttention:
     def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised,
                     fence: Callable[[list], Any] | None) -> torch.Tensor:
         q, k, v = n.q, n.k, n.v
+        plan = self._within_budget(plan, kern, n)
         if plan.kind == "sdpa":
             return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
         B, H, Sq, D = q.shape

@@ -416,3 +416,52 @@ def test_lse_merge_is_exact_and_shift_invariant():
         o = torch.softmax(w, -1) @ v[:, :, c0:c1]
         acc, run = lse_merge(acc, run, o, torch.logsumexp(w, -1) + 5.0)   # same constant per row
     torch.testing.assert_close(acc.double(), reference(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------- budget and auto
+def test_budget_buckets():
+    from safe_ops.attention import BUDGET_STEP, budget_bucket
+    assert budget_bucket(0) == 0 and budget_bucket(-5) == 0
+    for n in (1, 1000, 3 * 2**30, 97 * 2**30):
+        b = budget_bucket(n)
+        assert b <= n < b * BUDGET_STEP * 1.0001
+    assert budget_bucket(2**30) == 2**30
+
+
+def test_plan_follows_the_budget_when_free_memory_moves():
+    """The budget is re-read per call (cheaply): a plan that no longer fits is re-chosen for the
+    same kernel (smaller head groups), and chosen again when memory comes back."""
+    att, kern = make_attn()
+    q, k, v = h3_like(700)                            # repack + head groups in the toy envelope
+    budget = {"now": None}
+    att._budget = lambda dev: budget["now"]
+    launches = []
+    for now in (None, "tight", None):
+        if now == "tight":
+            p0 = next(iter(att._prepared.values())).plan
+            budget["now"] = p0.peak_bytes - 1
+        else:
+            budget["now"] = 10**12
+        kern.launches.clear()
+        out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+        launches.append(len(kern.launches))
+    assert launches[0] < launches[1] and launches[2] == launches[0]
+    assert report.STATS["replans"] == 1           # tight: re-planned; back to the cached one after
+    assert report.STATS["plan:sdpa"] == 0
+
+
+def test_auto_order_and_explanation():
+    from safe_ops.runtime import auto_order, comfy_attention_choice, explain_auto
+    assert comfy_attention_choice("attention_sage") == "sage"
+    assert comfy_attention_choice("attention_comfy_kitchen_int8") == "ck"
+    assert comfy_attention_choice("attention_pytorch") is None
+    fams = ["sage2_sm120_fp8pv", "ck_int8"]
+    assert auto_order("sm_120", fams, "ck")[0][:2] == ["ck_int8", "sdpa"]
+    assert auto_order("sm_120", fams, "sage")[0][:2] == ["sage2_sm120_fp8pv", "sdpa"]
+    assert auto_order("sm_120", fams, None)[0][0] == "sdpa"
+    rt = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
+    line = explain_auto(rt, fams, "ck")
+    assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
+    assert explain_auto(rt, [], None).startswith("auto picked PyTorch SDPA because no sage-family")
+    assert "as asked" in explain_auto(rt, fams, None, "sdpa")
