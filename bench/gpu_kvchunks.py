@@ -83,11 +83,12 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def time_ms(fns: dict, reps: int) -> dict:
-    """Median CUDA-event ms of each fn, interleaved (warm-up once each)."""
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
+def time_ms(fns: dict, reps: int, warm: bool = True) -> dict:
+    """Median CUDA-event ms of each fn, interleaved (warm-up once each unless already warm)."""
+    if warm:
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
     times = {k: [] for k in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -99,17 +100,6 @@ def time_ms(fns: dict, reps: int) -> dict:
             del o
             times[name].append(a.elapsed_time(b))
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-
-
-def peak_extra(fn) -> int:
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    o = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del o
-    return peak
 
 
 def _noop(*a, **k):
@@ -220,13 +210,13 @@ def sec_kvchunks(args) -> dict:
     from safe_ops import report
     out = []
     ks = kernels()
-    for fam in args.kv_families:
+    for i, fam in enumerate(args.kv_families):
         if fam not in ks:
             out.append({"family": fam, "error": "not available here"})
             continue
         kern = ks[fam]
         chunked = with_kv_rule(kern, SM120_KV_RULE)
-        for S in args.kv_sizes:
+        for S in (args.kv_sizes if i == 0 else args.kv_sizes_more):
             r = {"family": fam, "S": S}
             try:
                 torch.cuda.empty_cache()
@@ -238,21 +228,43 @@ def sec_kvchunks(args) -> dict:
                 a_kv, a_ref = guarded(chunked), guarded(kern)
                 f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
                 f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+                # first call of each: plan, warm-up, output for rel. L2 and measured peak memory
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
                 o = f_kv()
                 torch.cuda.synchronize()
+                r["peak_extra_kv"] = torch.cuda.max_memory_allocated() - base
                 p_kv = next(iter(a_kv._prepared.values())).plan
                 r.update(plan_kv=p_kv.describe(False), kv_chunk=p_kv.kv_chunk, kind=p_kv.kind,
                          rel_l2_kv=rel_l2(o[:, :, idx], ref), finite_kv=bool(torch.isfinite(o).all()))
                 del o
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
                 o = f_ref()
                 torch.cuda.synchronize()
+                r["peak_extra_ref"] = torch.cuda.max_memory_allocated() - base
                 p_ref = next(iter(a_ref._prepared.values())).plan
                 r.update(plan_ref=p_ref.describe(False), rel_l2_ref=rel_l2(o[:, :, idx], ref))
                 del o
-                t = time_ms({"kv": f_kv, "ref": f_ref}, args.reps)
+                fns = {"kv": f_kv, "ref": f_ref}
+                # the same kernel on in-limit inputs made beforehand (contiguous NHD copies), where
+                # such inputs exist for this family at S
+                from safe_ops.envelope import AttnCall, TensorDesc, check
+                nd = TensorDesc.contiguous((1, HEADS, S, D), "NHD")
+                if not check(AttnCall(nd, nd, nd, "bfloat16", "NHD"), kern.envelope):
+                    nhd = [t_.transpose(1, 2).contiguous() for t_ in (q, k, v)]
+                    fns["inlimit"] = lambda: kern.fn(*nhd, "NHD", None)  # noqa: E731
+                    fns["inlimit"]()
+                t = time_ms(fns, args.kv_reps, warm=False)
+                if "inlimit" in t:
+                    r.update(inlimit_kernel_ms=t["inlimit"], kv_over_inlimit=t["kv"] / t["inlimit"],
+                             ref_over_inlimit=t["ref"] / t["inlimit"])
+                    del nhd
                 r.update(kv_ms=t["kv"], ref_ms=t["ref"], kv_over_ref=t["kv"] / t["ref"],
-                         peak_extra_kv=peak_extra(f_kv), peak_extra_ref=peak_extra(f_ref),
-                         predicted_peak_kv=p_kv.peak_bytes, predicted_peak_ref=p_ref.peak_bytes)
+                         predicted_peak_kv=p_kv.peak_bytes, predicted_peak_ref=p_ref.peak_bytes,
+                         output_bytes=q.numel() * q.element_size())
                 del buf, q, k, v, ref
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"{type(e).__name__}: {e}"
@@ -415,9 +427,11 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true", help="fewer sizes, families and repetitions (~1-2 min)")
     ap.add_argument("--only", default="families,kvchunks,ck_probe,guard")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--sizes", default="38000,100000,169000")
     ap.add_argument("--kv-sizes", default="169000,230000,314437")
+    ap.add_argument("--kv-reps", type=int, default=2)
+    ap.add_argument("--kv-sizes-more", default="314437", help="sizes for the 2nd and later --kv-families")
     ap.add_argument("--kv-families", default="sage2_fp8pv_perwarp,sage2_sm90")
     ap.add_argument("--ck-max", type=int, default=320_000)
     ap.add_argument("--guard-S", type=int, default=99_866)
@@ -428,11 +442,12 @@ def main() -> None:
     ap.add_argument("--child-out")
     args = ap.parse_args()
     if args.quick:
-        args.reps, args.guard_reps = 1, 3
+        args.reps, args.guard_reps, args.kv_reps = 1, 3, 1
         args.sizes, args.kv_sizes = "38000,169000", "169000,314437"
         args.kv_families = "sage2_fp8pv_perwarp"
     args.sizes = [int(x) for x in str(args.sizes).split(",") if x]
     args.kv_sizes = [int(x) for x in str(args.kv_sizes).split(",") if x]
+    args.kv_sizes_more = [int(x) for x in str(args.kv_sizes_more).split(",") if x]
     args.kv_families = [x for x in str(args.kv_families).split(",") if x]
     args.guard_families = [x for x in str(args.guard_families).split(",") if x]
     if args.child:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -128,10 +129,16 @@ def runtime() -> Runtime:
 def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str | None]:
     """comfy-kitchen's version, the envelope family of its int8_attention, or why not usable."""
     version = _dist_version("comfy-kitchen")
-    if version is None:
-        return None, None, "package not installed"
     from .envelope_ck import ck_family_for
-    family = ck_family_for(version)
+    if version is None:
+        # importable without package metadata (a bare PYTHONPATH copy): version unknown,
+        # so the conservative (0.2.29-0.2.39) envelope
+        if "comfy_kitchen" not in sys.modules and importlib.util.find_spec("comfy_kitchen") is None:
+            return None, None, "package not installed"
+        family = "ck_int8_pre240"
+        version = "unknown"
+    else:
+        family = ck_family_for(version)
     if family is None:
         return version, None, f"comfy-kitchen {version} has no int8_attention (needs >= 0.2.29)"
     if arch is None:
