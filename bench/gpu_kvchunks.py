@@ -3,6 +3,7 @@ SafeAttention, the comfy-kitchen boundary probe and the 99,866-token guarded/in-
 
     python bench/gpu_kvchunks.py --out bench/results/kvchunks_h200.json          # ~4-5 min
     python bench/gpu_kvchunks.py --quick --out /tmp/kvchunks_quick.json          # ~1-2 min
+    python bench/gpu_kvchunks.py --update-table bench/results/kvchunks_h200.json  # -> kernel_table.json
 
 Sections (``--only a,b``): ``families`` (time + rel. L2 of each sage-2 family, comfy-kitchen
 int8 and SDPA; TFLOP/s rows for kernel_table.json), ``kvchunks`` (the kv_chunks plan with the
@@ -398,6 +399,29 @@ def sec_guard(args) -> dict:
     return {"rows": rows}
 
 
+def update_table(result_path: str, table_path: str) -> dict:
+    """Merge a run's measured TFLOP/s (``families`` section: families whose output was right)
+    into safe_ops/kernel_table.json under the run's arch; families not re-measured are kept."""
+    with open(result_path) as f:
+        res = json.load(f)
+    fam = res["sections"]["families"]
+    arch = res["env"]["arch"]
+    with open(table_path) as f:
+        table = json.load(f)
+    entry = table.setdefault("archs", {}).setdefault(arch, {})
+    tflops = dict(entry.get("tflops", {}))
+    tflops.update(fam["kernel_table_tflops"])
+    sources = [x for x in str(entry.get("source", "")).split(" | ") if x]
+    rel = os.path.relpath(os.path.abspath(result_path), ROOT)
+    sources.append(f"{rel} (families: {', '.join(sorted(fam['kernel_table_tflops']))}): {res['env']['command']}")
+    entry.update(gpu=res["env"]["gpu"], tflops={k: tflops[k] for k in sorted(tflops)},
+                 sizes=sorted(set(entry.get("sizes", [])) | set(fam["sizes"])), source=" | ".join(sources))
+    with open(table_path, "w") as f:
+        json.dump(table, f, indent=2)
+        f.write("\n")
+    return entry
+
+
 SECTIONS = {"families": sec_families, "kvchunks": sec_kvchunks, "ck_probe": sec_ck_probe, "guard": sec_guard}
 
 
@@ -438,6 +462,8 @@ def main() -> None:
     ap.add_argument("--guard-reps", type=int, default=7)
     ap.add_argument("--guard-families", default="sage2_fp8pv_perwarp")
     ap.add_argument("--section-timeout", type=int, default=420)
+    ap.add_argument("--update-table", metavar="RESULT_JSON",
+                    help="merge RESULT_JSON's measured TFLOP/s into safe_ops/kernel_table.json and exit (no GPU)")
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     args = ap.parse_args()
@@ -450,6 +476,10 @@ def main() -> None:
     args.kv_sizes_more = [int(x) for x in str(args.kv_sizes_more).split(",") if x]
     args.kv_families = [x for x in str(args.kv_families).split(",") if x]
     args.guard_families = [x for x in str(args.guard_families).split(",") if x]
+    if args.update_table:
+        entry = update_table(args.update_table, os.path.join(ROOT, "safe_ops", "kernel_table.json"))
+        print(json.dumps(entry, indent=1))
+        return
     if args.child:
         try:
             res = SECTIONS[args.child](args)
