@@ -537,6 +537,12 @@ class SafeAttention:
         ``L' = logaddexp(L, l_c)``. Peak beyond the result: the accumulator (4 bytes per
         element of the block), one launch's output and temporaries, the centred key chunk
         and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
+
+        Fencing (legacy-stream kernels): only the slices that are views of the caller's
+        tensors are fenced. Everything else here (centred/repacked copies, the kernel's output
+        and LSE, the accumulator) is allocated and consumed on the hop's stream, where the
+        caching allocator already orders reuse; fencing it would keep every key chunk's
+        output alive until the GPU caught up -- n_kv times the memory the plan was priced at.
         """
         q = n.q
         B, _, Sq, D = q.shape
@@ -571,7 +577,9 @@ class SafeAttention:
                 else:
                     o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
                 if fence is not None:
-                    fence([qs, ks, vs, o, lse])
+                    fence([t for t, view in ((qs, "q" not in plan.repack),
+                                             (ks, km is None and "k" not in plan.repack),
+                                             (vs, "v" not in plan.repack)) if view])
                 acc, run = lse_merge(acc, run, o, lse)
                 del ks, vs, o, lse
             out[:, h0:h1, s0:s1].copy_(acc)
