@@ -115,6 +115,17 @@ def _ceil(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# LSE (``return_lse=True``, every 2.2.0 function): the CUDA kernels scale by
+# sm_scale*log2(e) (e.g. qk_int_sv_f16_cuda_sm80.cu:92) and write log2(d) + m per query row
+# into a fresh fp32 [B, H, Sq] tensor (:657-666; sm89 .cuh:691-701; sm90 .cu:553-563) -- the
+# fp8 kernels' S_FP8_OFFSET shift (attn_utils.cuh:379) is inside both m and d and cancels.
+# core.py then returns ``lse / 1.44269504`` (natural log) and, with smooth_k, adds
+# ``q @ km^T * sm_scale`` computed in the input dtype (:287-291, :326-327 and the same lines
+# of each function). That correction is rounded to bf16, i.e. off by up to ~2**-9 of q.km,
+# differently per key chunk. kv_chunks therefore subtracts the full sequence's mean itself
+# and calls with smooth_k=False: the keys are quantised exactly as in the unchunked call and
+# the LSE carries no rounded correction (Envelope.lse_centred_k).
+
 # ------------------------------------------------------------- derived tensors
 def dense_like(t: TensorDesc) -> TensorDesc:
     """Strides of a dense tensor that keeps ``t``'s dimension order.
@@ -411,6 +422,7 @@ def _sm80_temp_bytes(call: AttnCall) -> int:
 _t, _d = _per_thread_triton()
 SAGE2_SM80 = register(Envelope(
     family="sage2_sm80",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),                   # dispatch_utils.h:23-34 (core.py:560-570 pads others)
     dtypes=("float16", "bfloat16"),        # core.py:541
@@ -441,6 +453,7 @@ def _sm86_temp_bytes(call: AttnCall) -> int:
 _t, _d = _per_block_triton()
 SAGE2_SM86_TRITON = register(Envelope(
     family="sage2_sm86_triton",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),                   # tl.arange(0, C) needs a power of two; core.py:260-269 pads
     dtypes=("float16", "bfloat16"),        # core.py:242
@@ -482,6 +495,7 @@ _FP8_ATTN_V = _dterms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:
 _t, _d = _per_thread_triton()
 SAGE2_SM89_FP8PV = register(Envelope(
     family="sage2_sm89_fp8pv",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:725
@@ -498,6 +512,7 @@ SAGE2_SM89_FP8PV = register(Envelope(
 _FP8_PERWARP_RULES = _v_fp8_dterms("v", "v_t") + _FP8_ATTN_V
 SAGE2_FP8PV_PERWARP = register(Envelope(
     family="sage2_fp8pv_perwarp",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -513,6 +528,7 @@ SAGE2_FP8PV_PERWARP = register(Envelope(
 
 SAGE2_SM120_FP8PV = register(Envelope(
     family="sage2_sm120_fp8pv",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -548,6 +564,7 @@ _SM90_INT_STRIDES = IntStrideRule(
 )
 SAGE2_SM90 = register(Envelope(
     family="sage2_sm90",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:912
