@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
@@ -20,6 +21,7 @@ import torch
 from . import report
 from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
 from .fences import GLOBAL_FENCES, FenceBook, StreamHop
+from .mlp import _free_device_bytes
 from .planner import Plan, choose, plan_for, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
@@ -27,8 +29,10 @@ from .runtime import Runtime, auto_order, comfy_attention_choice, runtime
 
 log = logging.getLogger("SafeSage")
 
-# Fraction of currently free device memory a plan may use for its own copies.
-FREE_MEMORY_FRACTION = 0.5
+# Fraction of currently free device memory a plan's peak may use: its own copies and merge
+# state *and* the kernel's temporaries of one launch (Plan.peak_bytes) -- everything the call
+# allocates beyond its inputs and result, so most of what is free, with a margin.
+FREE_MEMORY_FRACTION = 0.8
 BUDGET_STEP = 2 ** 0.25      # budget buckets (~19% apart): a plan is re-chosen when free memory moves
 BUDGET_POLL_S = 0.05         # free memory is re-read at most this often
 
@@ -315,12 +319,12 @@ class SafeAttention:
     def _budget(self, device: torch.device) -> int | None:
         """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit).
 
-        Free device memory plus what PyTorch's caching allocator holds unused, times
-        FREE_MEMORY_FRACTION, rounded down to a BUDGET_STEP bucket so that plans are re-chosen
-        only when it really moves. Re-read at most every BUDGET_POLL_S seconds:
-        ``cudaMemGetInfo`` and the allocator counters are host queries -- no stream or device
-        synchronisation -- and they see what ComfyUI's dynamic VRAM (comfy-aimdo) frees or
-        takes between calls.
+        Free device memory -- ComfyUI's own ``get_free_memory`` when ComfyUI is loaded (it adds
+        what PyTorch's caching allocator holds unused), else ``cudaMemGetInfo`` plus that idle
+        cache -- times FREE_MEMORY_FRACTION, rounded down to a BUDGET_STEP bucket so that plans
+        are re-chosen only when it really moves. Re-read at most every BUDGET_POLL_S seconds;
+        both are host queries (no stream or device synchronisation) and see what ComfyUI's
+        dynamic VRAM (comfy-aimdo) frees or takes between calls.
         """
         if self.policy.max_extra_bytes is not None:
             return self.policy.max_extra_bytes
@@ -332,9 +336,12 @@ class SafeAttention:
         if hit is not None and now - hit[0] < BUDGET_POLL_S:
             return hit[1]
         try:
-            free, _ = torch.cuda.mem_get_info(device)
-            idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            budget = budget_bucket(int((free + max(idle, 0)) * FREE_MEMORY_FRACTION))
+            if "comfy.model_management" in sys.modules:
+                free = _free_device_bytes(device)          # ComfyUI's accounting
+            else:
+                free = torch.cuda.mem_get_info(device)[0] + max(
+                    torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), 0)
+            budget = None if free is None else budget_bucket(int(free * FREE_MEMORY_FRACTION))
         except Exception:
             budget = None
         cache[device.index] = (now, budget)
