@@ -25,7 +25,7 @@ from .mlp import _free_device_bytes
 from .planner import Plan, choose, plan_for, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
-from .runtime import Runtime, auto_order, comfy_attention_choice, runtime
+from .runtime import Runtime, auto_order, comfy_attention_choice, kernel_table, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -173,8 +173,22 @@ def ck_kernel(rt: Runtime | None = None) -> Kernel | None:
 
 
 def installed_kernels(rt: Runtime) -> list[Kernel]:
-    """Every usable kernel family here: the sage family sageattn runs, then comfy-kitchen's."""
-    return [kk for kk in (sage_kernel(rt), ck_kernel(rt)) if kk is not None]
+    """Every usable kernel family here, in ``kernel=sage`` preference order: the family
+    ``sageattn`` dispatches to; then (sage 2.2) the other sage-2 families this build runs on
+    this arch *that kernel_table.json measured on it* (only verified families are written
+    there; an unmeasured family could shadow the dispatch family's evidence-based rules, e.g.
+    per_warp FP8-PV on sm_120 without #388's length rule), fastest first; then comfy-kitchen."""
+    first = sage_kernel(rt)
+    out = [first]
+    from .envelope_sage2 import RUNS_ON, KvLenRule
+    if (first is not None and first.family != "sage1_triton" and rt.arch is not None
+            and not any(isinstance(r, KvLenRule) for r in first.envelope.extra_rules)):
+        tflops = kernel_table().get("archs", {}).get(rt.arch_name, {}).get("tflops", {})
+        for fam in sorted(tflops, key=lambda f: -tflops[f]):
+            if fam != first.family and tuple(rt.arch) in RUNS_ON.get(fam, ()):
+                out.append(sage2_kernel(fam))
+    out.append(ck_kernel(rt))
+    return [kk for kk in out if kk is not None]
 
 
 def _dtype_name(dt: torch.dtype) -> str:

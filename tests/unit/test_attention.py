@@ -465,3 +465,31 @@ def test_auto_order_and_explanation():
     assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
     assert explain_auto(rt, [], None).startswith("auto picked PyTorch SDPA because no sage-family")
     assert "as asked" in explain_auto(rt, fams, None, "sdpa")
+
+
+def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
+    """With sage 2.2, other sage-2 families join sageattn's own only where kernel_table.json has
+    a (verified) measurement for this arch; per_warp never shadows sm_120's length rule."""
+    import sys
+    import types
+
+    import safe_ops.attention as A
+    from safe_ops.envelope_sage2 import SAGEATTN_CALL
+    fake = types.ModuleType("sageattention")
+    for name, _ in SAGEATTN_CALL.values():
+        setattr(fake, name, lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "sageattention", fake)
+    table = {"archs": {"sm_90": {"tflops": {"sdpa": 556.0, "sage2_fp8pv_perwarp": 700.0,
+                                            "sage2_sm90": 650.0, "sage2_sm120_fp8pv": 900.0}}}}
+    monkeypatch.setattr(A, "kernel_table", lambda: table)
+    h200 = Runtime("t", None, "H200", (9, 0), "2.2.0", "sage2_sm90", None, None, None, None)
+    fams = [k.family for k in A.installed_kernels(h200)]
+    assert fams == ["sage2_sm90", "sage2_fp8pv_perwarp"]            # sm120 kernel does not run on sm_90
+    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=A.installed_kernels(h200), rt=h200)
+    monkeypatch.setattr("safe_ops.runtime.kernel_table", lambda: table)
+    assert att.candidates(None, comfy_wants_sage=False)[:3] == ["sage2_fp8pv_perwarp", "sage2_sm90", "sdpa"]
+    rtx = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
+    assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
+    table["archs"]["sm_120"] = {"tflops": {"sage2_fp8pv_perwarp": 999.0}}   # even if measured
+    assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
+    assert all(k.fn_lse is not None and k.envelope.returns_lse for k in A.installed_kernels(h200))
