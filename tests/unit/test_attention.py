@@ -493,3 +493,17 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
     table["archs"]["sm_120"] = {"tflops": {"sage2_fp8pv_perwarp": 999.0}}   # even if measured
     assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
     assert all(k.fn_lse is not None and k.envelope.returns_lse for k in A.installed_kernels(h200))
+
+
+def test_ck_detection_by_version(monkeypatch):
+    import safe_ops.runtime as R
+    versions = {"comfy-kitchen": "0.2.26"}
+    monkeypatch.setattr(R, "_dist_version", lambda name: versions.get(name))
+    v, fam, err = R._ck_facts((12, 0))
+    assert (v, fam) == ("0.2.26", None) and "needs >= 0.2.29" in err
+    versions["comfy-kitchen"] = "0.2.40"
+    v, fam, err = R._ck_facts(None)
+    assert (v, fam, err) == ("0.2.40", None, "no CUDA device")
+    versions.clear()
+    monkeypatch.setattr(R.importlib.util, "find_spec", lambda name: None)
+    assert R._ck_facts((9, 0)) == (None, None, "package not installed")
