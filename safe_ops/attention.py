@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import envelope_ck  # noqa: F401  (registers the comfy-kitchen families)
 from . import report
 from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
 from .fences import GLOBAL_FENCES, FenceBook, StreamHop
@@ -155,7 +156,6 @@ def ck_kernel(rt: Runtime | None = None) -> Kernel | None:
     fam = rt.ck_family
     if fam is None:
         return None
-    from .envelope_ck import CK_INT8  # noqa: F401  (registers the ck families)
     if fam not in FAMILIES:
         return None
     try:
