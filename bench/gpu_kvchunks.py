@@ -456,11 +456,14 @@ def main() -> None:
     ap.add_argument("--kv-sizes", default="169000,230000,314437")
     ap.add_argument("--kv-reps", type=int, default=2)
     ap.add_argument("--kv-sizes-more", default="314437", help="sizes for the 2nd and later --kv-families")
-    ap.add_argument("--kv-families", default="sage2_fp8pv_perwarp,sage2_sm90")
+    # per_warp is sm_120's kernel; sm89_fp8pv has the Triton per_thread quantiser (sageattn on
+    # sm_89). sage2_sm90 as built on the H200 computes garbage (HAZARDS.md), so not by default.
+    ap.add_argument("--kv-families", default="sage2_fp8pv_perwarp,sage2_sm89_fp8pv")
     ap.add_argument("--ck-max", type=int, default=320_000)
     ap.add_argument("--guard-S", type=int, default=99_866)
     ap.add_argument("--guard-reps", type=int, default=7)
-    ap.add_argument("--guard-families", default="sage2_fp8pv_perwarp")
+    ap.add_argument("--guard-families", default="sage2_sm89_fp8pv,sage2_fp8pv_perwarp",
+                    help="besides the runtime's own sage family; sm89_fp8pv needs a q copy at 99,866")
     ap.add_argument("--section-timeout", type=int, default=420)
     ap.add_argument("--update-table", metavar="RESULT_JSON",
                     help="merge RESULT_JSON's measured TFLOP/s into safe_ops/kernel_table.json and exit (no GPU)")

@@ -559,11 +559,12 @@ class SafeAttention:
         element of the block), one launch's output and temporaries, the centred key chunk
         and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
 
-        Fencing (legacy-stream kernels): only the slices that are views of the caller's
-        tensors are fenced. Everything else here (centred/repacked copies, the kernel's output
-        and LSE, the accumulator) is allocated and consumed on the hop's stream, where the
-        caching allocator already orders reuse; fencing it would keep every key chunk's
-        output alive until the GPU caught up -- n_kv times the memory the plan was priced at.
+        Fencing (legacy-stream kernels), as for the other plans (run_plan): the copies made
+        for the kernel (repacked q/v, the centred key chunk) are fenced; views of the caller's
+        tensors are not. The kernel's output and LSE and the accumulator are not either: they
+        are allocated and consumed on the hop's stream, where the allocator orders reuse, and
+        holding every key chunk's output until the GPU caught up would multiply the memory
+        the plan was priced at.
         """
         q = n.q
         B, _, Sq, D = q.shape
@@ -598,9 +599,9 @@ class SafeAttention:
                 else:
                     o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
                 if fence is not None:
-                    fence([t for t, view in ((qs, "q" not in plan.repack),
-                                             (ks, km is None and "k" not in plan.repack),
-                                             (vs, "v" not in plan.repack)) if view])
+                    fence([t for t, copy in ((qs, "q" in plan.repack),
+                                             (ks, km is not None or "k" in plan.repack),
+                                             (vs, "v" in plan.repack)) if copy])
                 acc, run = lse_merge(acc, run, o, lse)
                 del ks, vs, o, lse
             out[:, h0:h1, s0:s1].copy_(acc)
