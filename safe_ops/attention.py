@@ -230,6 +230,15 @@ class _Prepared:
     class_key: tuple | None
 
 
+def is_cuda_error(e: BaseException) -> bool:
+    """A CUDA runtime error (sticky, asynchronous): it cannot be recovered by recomputing."""
+    acc = getattr(torch, "AcceleratorError", None)
+    if acc is not None and isinstance(e, acc):
+        return True
+    msg = str(e)
+    return "CUDA error" in msg or "illegal memory access" in msg or "CUBLAS_STATUS" in msg
+
+
 class UnsupportedCall(ValueError):
     """An attention call SafeSage cannot read; it is passed to ComfyUI's own function."""
 
@@ -305,6 +314,7 @@ class SafeAttention:
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
         self._prepared: dict[tuple, _Prepared] = {}
+        self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
 
     def __deepcopy__(self, memo):
         # Clones of a patched model share one override (its caches and fences are
@@ -415,7 +425,15 @@ class SafeAttention:
         report.STATS[p.count_key] += 1
         if p.fallback_reason is not None:
             report.fallback(p.fallback_reason, p.shape_key)
-        out = self.run_plan(p.plan, n)
+        try:
+            out = self.run_plan(p.plan, n)
+        except Exception as e:
+            # A sage build that imports but raises when called (a missing sm90 extension, an
+            # unsupported argument) has launched nothing: recompute with SDPA, stop using the
+            # family. A CUDA error is sticky and asynchronous -- nothing can be recomputed then.
+            if p.plan.kernel == "sdpa" or is_cuda_error(e):
+                raise
+            return self._fall_back(p, n, f"{p.plan.kernel} raised {type(e).__name__}: {e}", family_wide=True)
         if p.class_key is not None and self.verifier.needs_probe(p.class_key):
             out = self._verify(p, n, out)
         return out
@@ -427,7 +445,8 @@ class SafeAttention:
                         n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
         cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
-        cand = [f for f in cand if f == "sdpa" or not self.verifier.known_bad(self._class_key(f, call))]
+        cand = [f for f in cand if f == "sdpa" or not (f in self.broken or
+                                                       self.verifier.known_bad(self._class_key(f, call)))]
         plan = choose(call, [self.kernels[f].envelope for f in cand], self._budget(q.device))
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
         report.remember_plan(shape_key, plan.describe())
@@ -449,13 +468,21 @@ class SafeAttention:
         if verdict.ok:
             return out
         report.count("probe_failures")
-        report.once(("probe", p.class_key), logging.ERROR,
-                    "SafeSage: kernel %s FAILED verification for %s (%s); recomputing with "
-                    "PyTorch SDPA and not using it again for this class of call in this process.",
-                    p.plan.kernel, p.shape_key, verdict.detail)
-        report.fallback(f"{p.plan.kernel} failed verification ({verdict.detail})", p.shape_key)
-        self._prepared.clear()          # re-plan every signature without the failed family
-        return self.run_plan(sdpa_plan(p.call, (f"{p.plan.kernel} failed verification",)), n)
+        return self._fall_back(p, n, f"{p.plan.kernel} failed verification ({verdict.detail})")
+
+    def _fall_back(self, p: "_Prepared", n: Normalised, why: str, family_wide: bool = False) -> torch.Tensor:
+        """Recompute this call with SDPA and re-plan every signature without the kernel that failed
+        (for this class of call after a failed probe; everywhere after a call-time error)."""
+        scope = "any call" if family_wide else "this class of call"
+        if family_wide:
+            self.broken[p.plan.kernel] = why
+            report.count("kernel_errors")
+        report.once(("kernel-failed", p.plan.kernel, p.class_key), logging.ERROR,
+                    "SafeSage: %s for %s; recomputing with PyTorch SDPA and not using %s again for "
+                    "%s in this process.", why, p.shape_key, p.plan.kernel, scope)
+        report.fallback(why, p.shape_key)
+        self._prepared.clear()
+        return self.run_plan(sdpa_plan(p.call, (why,)), n)
 
     # --------------------------------------------------------------- running
     def run_plan(self, plan: Plan, n: Normalised) -> torch.Tensor:
@@ -465,9 +492,14 @@ class SafeAttention:
         reuse of every temporary after the kernels enqueued on that stream, so a
         copy is freed as soon as the next one is made and peak memory stays at
         one launch's worth. Kernels on the legacy default stream (sage 2.x CUDA):
-        the call hops there behind an event, every tensor a launch touched is
-        fenced right after that launch, and the caller's stream waits for the
-        result with another event -- no host synchronisation either way.
+        the call hops there behind an event and the caller's stream waits for the
+        result with another event -- no host synchronisation either way. Inside the
+        hop the kernel's own temporaries and the pack's copies are allocated on the
+        legacy stream, so the allocator orders their reuse; the copies are fenced
+        anyway (defence in depth, bytes capped). The
+        caller's q/k/v views are *not* fenced: they belong to the caller's stream,
+        which waits for the hop's exit event before any later work, so their memory
+        cannot be reused early -- and fencing them would pin the whole qkv buffer.
         """
         kern = self.kernels[plan.kernel]
         q, k, v = n.q, n.k, n.v
@@ -483,10 +515,14 @@ class SafeAttention:
         else:
             report.count("stream_hops")
             hop.enter()
-            with torch.cuda.stream(hop.target):
-                out = self._launch_all(plan, kern, n,
-                                       lambda ts: self.fences.hold(ts, stream=hop.target, label=plan.kernel))
-            hop.exit()
+            try:
+                with torch.cuda.stream(hop.target):
+                    out = self._launch_all(plan, kern, n,
+                                           lambda ts: self.fences.hold(ts, stream=hop.target, label=plan.kernel))
+            finally:
+                # Even when a launch raised: the caller's stream must not run ahead of (and the
+                # allocator must not hand out memory still read by) what was already enqueued.
+                hop.exit()
             # `out` was allocated on the legacy stream and is consumed on the caller's:
             # tell the allocator, so its memory is not reused before the caller is done.
             out.record_stream(hop.origin)
@@ -526,7 +562,9 @@ class SafeAttention:
             else:
                 o = kern.fn(qs, ks, vs, "HND", n.scale)
             if fence is not None:
-                fence([qs, ks, vs, o])
+                # only what this call made for the kernel (repacked copies): views of the caller's
+                # q/k/v stay unfenced and the output is handed over with record_stream (run_plan)
+                fence([t for t, name in ((qs, "q"), (ks, "k"), (vs, "v")) if name in plan.repack])
             return o
 
         if g >= H and qc >= Sq and kc >= Skv:

@@ -28,13 +28,27 @@ class SafeSageError(RuntimeError):
     """A choice on the node that cannot be honoured here; the message says what to do."""
 
 
-def _drain_wrapper(executor, *args, **kwargs):
-    """DIFFUSION_MODEL wrapper: run the forward, then release every fence it left."""
+def _poll_wrapper(executor, *args, **kwargs):
+    """DIFFUSION_MODEL wrapper: run the forward, then release the fences whose work is done."""
     try:
         return executor(*args, **kwargs)
     finally:
         GLOBAL_FENCES.poll()
         report.count("forwards")
+
+
+def _drain_wrapper(executor, *args, **kwargs):
+    """OUTER_SAMPLE wrapper: run the sampling, then wait for and release every fence, so no
+    memory held for a kernel outlives the run (also when sampling raised)."""
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        GLOBAL_FENCES.drain()
+        report.count("sampling_runs")
+
+
+# wrapper type (name in comfy.patcher_extension.WrappersMP) -> wrapper
+WRAPPERS = {"DIFFUSION_MODEL": _poll_wrapper, "OUTER_SAMPLE": _drain_wrapper}
 
 
 def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, dict]:
@@ -57,18 +71,26 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     attn = SafeAttention(policy, fences=GLOBAL_FENCES, rt=rt)
     to[OVERRIDE_KEY] = attn
 
-    # Drain fences at the end of every diffusion-model forward (idempotent under a fixed key).
+    # Poll fences after every diffusion-model forward and drain them when sampling ends
+    # (idempotent: removed, then added under a fixed key).
     wrappers_mp = None
     try:
         from comfy.patcher_extension import WrappersMP as wrappers_mp  # type: ignore
     except Exception:
         pass
+    installed = []
     if wrappers_mp is not None and hasattr(m, "add_wrapper_with_key"):
-        if hasattr(m, "remove_wrappers_with_key"):
-            m.remove_wrappers_with_key(wrappers_mp.DIFFUSION_MODEL, WRAPPER_KEY)
-        m.add_wrapper_with_key(wrappers_mp.DIFFUSION_MODEL, WRAPPER_KEY, _drain_wrapper)
-    else:
-        warnings.append("this ComfyUI has no DIFFUSION_MODEL wrapper; fences are released by polling only")
+        for name, fn in WRAPPERS.items():
+            wtype = getattr(wrappers_mp, name, None)
+            if wtype is None:
+                continue
+            if hasattr(m, "remove_wrappers_with_key"):
+                m.remove_wrappers_with_key(wtype, WRAPPER_KEY)
+            m.add_wrapper_with_key(wtype, WRAPPER_KEY, fn)
+            installed.append(name)
+    if "OUTER_SAMPLE" not in installed:
+        warnings.append("this ComfyUI has no OUTER_SAMPLE wrapper; fences are released by polling and "
+                        "their count/byte caps only")
 
     # Always called: with "off" it removes MLP patches an earlier SafeSage node left on this model.
     setting: Any = policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking

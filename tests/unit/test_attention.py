@@ -307,6 +307,83 @@ def test_kernel_wrong_for_one_dtype_is_caught_for_that_class_only():
     assert len(kern.launches) == 3     # fp32, fp16 (caught), fp32; the second fp16 call skipped sage
 
 
+# ------------------------------------------------------- call-time errors, NaN, probe coverage
+def test_kernel_raising_at_call_time_falls_back_and_is_not_used_again(caplog):
+    """A sage build that imports but raises when called (e.g. a missing sm90 extension)."""
+    env = toy_envelope()
+    calls = []
+
+    def raising(q, k, v, layout, scale):
+        calls.append(1)
+        raise RuntimeError("SM90 kernel is not available. Make sure you GPUs with compute capability 9.0.")
+
+    att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(env, raising, 0.05)], rt=CPU_RT)
+    q, k, v = h3_like(100)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert report.STATS["kernel_errors"] == 1 and report.STATS["fallbacks"] == 1
+    assert "SM90 kernel is not available" in caplog.text and "toy_sage" in att.broken
+    # another shape: the family is not tried again
+    q2, k2, v2 = h3_like(60)
+    att(raw, q2, k2, v2, 4, skip_reshape=True)
+    assert len(calls) == 1 and report.STATS["plan:sdpa"] == 1
+
+
+def test_cuda_error_is_not_swallowed():
+    """CUDA errors are sticky: recomputing would fail too, so they propagate (debug_sync names the call)."""
+    def faulting(q, k, v, layout, scale):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    att = SafeAttention(Policy(kernel="sage"), kernels=[Kernel(toy_envelope(), faulting, 0.05)], rt=CPU_RT)
+    q, k, v = h3_like(100)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        att(raw, q, k, v, 4, skip_reshape=True)
+    assert not att.broken
+
+
+def test_probe_checks_every_batch_element_middle_heads_and_tail_rows():
+    """NaN in the last query row of a middle head of the second batch element fails the probe."""
+    def nan_in_tail(out):
+        out = out.clone()
+        out[1, 5, -1, 0] = float("nan")
+        return out
+
+    att, kern = make_attn(env=toy_envelope(small_ints=False), policy=Policy(kernel="sage", verify="first"),
+                          corrupt=nan_in_tail)
+    q, k, v = (torch.randn(2, 8, 1000, 16) for _ in range(3))
+    out = att(raw, q, k, v, 8, skip_reshape=True, skip_output_reshape=True)
+    assert report.STATS["probe_failures"] == 1
+    assert torch.isfinite(out).all()          # the SDPA recomputation was returned
+    assert any("non-finite output" in r for r in report.FALLBACKS)
+
+
+def test_probe_fails_when_the_error_is_nan():
+    """A NaN relative error (e.g. Inf - Inf in the kernel's output) must not be dropped by max()."""
+    from safe_ops.probe import compare
+    q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
+    good = reference(q, k, v).float()
+    assert compare(good, q, k, v, None, 0.05).ok
+    bad = good.clone()
+    bad[0, 3, 299] = float("inf")
+    verdict = compare(bad, q, k, v, None, 0.05)
+    assert not verdict.ok and "non-finite" in verdict.detail
+
+
+def test_nan_inputs_everywhere_are_inconclusive_and_probed_again():
+    att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
+    q, k, v = (torch.randn(1, 4, 64, 16) for _ in range(3))
+    k[0, :, 7] = float("nan")                  # every query row's reference is NaN
+    for _ in range(2):
+        att(raw, q, k, v, 4, skip_reshape=True)
+    assert report.STATS["probes"] == 2 and report.STATS["probe_failures"] == 0
+
+
+def test_probe_rows_and_heads_cover_the_tail_and_the_middle():
+    from safe_ops.probe import TAIL_ROWS, probe_heads, probe_rows
+    rows = probe_rows(100_000).tolist()
+    assert rows[0] == 0 and rows[-TAIL_ROWS:] == list(range(100_000 - TAIL_ROWS, 100_000))
+    assert probe_heads(56) == (0, 18, 37, 55) and probe_heads(3) == (0, 1, 2)
+
 # ------------------------------------------------------------------ kv_chunks
 def lse_envelope(limit, centred=True, family="toy_sage2"):
     """The toy envelope plus a key-length rule (sm_120's kind) and the LSE capability."""
