@@ -26,7 +26,7 @@ from .mlp import _free_device_bytes
 from .planner import Plan, choose, plan_for, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
-from .runtime import Runtime, auto_order, comfy_attention_choice, kernel_table, runtime
+from .runtime import Runtime, auto_order, comfy_attention_choice, measured_tflops, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -183,7 +183,7 @@ def installed_kernels(rt: Runtime) -> list[Kernel]:
     from .envelope_sage2 import RUNS_ON, KvLenRule
     if (first is not None and first.family != "sage1_triton" and rt.arch is not None
             and not any(isinstance(r, KvLenRule) for r in first.envelope.extra_rules)):
-        tflops = kernel_table().get("archs", {}).get(rt.arch_name, {}).get("tflops", {})
+        tflops = measured_tflops(rt.arch_name)
         for fam in sorted(tflops, key=lambda f: -tflops[f]):
             if fam != first.family and tuple(rt.arch) in RUNS_ON.get(fam, ()):
                 out.append(sage2_kernel(fam))

@@ -528,7 +528,7 @@ def test_plan_follows_the_budget_when_free_memory_moves():
     assert report.STATS["plan:sdpa"] == 0
 
 
-def test_auto_order_and_explanation():
+def test_auto_order_and_explanation(monkeypatch):
     from safe_ops.runtime import auto_order, comfy_attention_choice, explain_auto
     assert comfy_attention_choice("attention_sage") == "sage"
     assert comfy_attention_choice("attention_comfy_kitchen_int8") == "ck"
@@ -541,6 +541,12 @@ def test_auto_order_and_explanation():
     line = explain_auto(rt, fams, "ck")
     assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
     assert explain_auto(rt, [], None).startswith("auto picked PyTorch SDPA because no sage-family")
+    from safe_ops import runtime as R
+    table = {"archs": {"sm_120": {"tflops": {"sdpa": 300.0, "ck_int8": 500.0}}}}
+    monkeypatch.setattr(R, "kernel_table", lambda: table)
+    order, why = auto_order("sm_120", ["sage2_sm120_fp8pv", "ck_int8_pre240"], None)
+    assert order[:2] == ["ck_int8_pre240", "sdpa"] and "500 TFLOP/s" in why   # shares ck_int8's number
+    assert "not measured: sage2_sm120_fp8pv" in why
     assert "as asked" in explain_auto(rt, fams, None, "sdpa")
 
 
@@ -558,12 +564,11 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
     monkeypatch.setitem(sys.modules, "sageattention", fake)
     table = {"archs": {"sm_90": {"tflops": {"sdpa": 556.0, "sage2_fp8pv_perwarp": 700.0,
                                             "sage2_sm90": 650.0, "sage2_sm120_fp8pv": 900.0}}}}
-    monkeypatch.setattr(A, "kernel_table", lambda: table)
+    monkeypatch.setattr("safe_ops.runtime.kernel_table", lambda: table)
     h200 = Runtime("t", None, "H200", (9, 0), "2.2.0", "sage2_sm90", None, None, None, None)
     fams = [k.family for k in A.installed_kernels(h200)]
     assert fams == ["sage2_sm90", "sage2_fp8pv_perwarp"]            # sm120 kernel does not run on sm_90
     att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=A.installed_kernels(h200), rt=h200)
-    monkeypatch.setattr("safe_ops.runtime.kernel_table", lambda: table)
     assert att.candidates(None, comfy_wants_sage=False)[:3] == ["sage2_fp8pv_perwarp", "sage2_sm90", "sdpa"]
     rtx = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
     assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
