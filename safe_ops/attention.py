@@ -326,7 +326,8 @@ class SafeAttention:
         """Kernel families in preference order for this policy (sdpa always last resort).
 
         ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default read from
-        the name of the attention function ComfyUI handed to the override.
+        the name of the attention function ComfyUI handed to the override (sage, comfy-kitchen
+        or neither), or from ComfyUI's flags when ``func`` is None (runtime.comfy_attention_choice).
         """
         sage = [f for f in self.kernels if f != "sdpa"]
         if self.policy.kernel == "sdpa":
@@ -337,7 +338,8 @@ class SafeAttention:
         if comfy_wants_sage is not None:
             choice = "sage" if comfy_wants_sage else None
         else:
-            choice = comfy_attention_choice(getattr(func, "__name__", "") if func is not None else "")
+            # ComfyUI's function names it; without one, ComfyUI's flags do (if it is loaded)
+            choice = comfy_attention_choice(getattr(func, "__name__", "") if func is not None else None)
         return auto_order(self.rt.arch_name, sage, choice)[0]
 
     def _budget(self, device: torch.device) -> int | None:
