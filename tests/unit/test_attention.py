@@ -589,3 +589,20 @@ def test_ck_detection_by_version(monkeypatch):
     versions.clear()
     monkeypatch.setattr(R.importlib.util, "find_spec", lambda name: None)
     assert R._ck_facts((9, 0)) == (None, None, "package not installed")
+
+
+def test_comfy_flags_name_the_configured_kernel(monkeypatch):
+    import sys
+    import types
+
+    from safe_ops.runtime import comfy_attention_choice
+    assert comfy_attention_choice(None) is None                      # ComfyUI not loaded
+    cli = types.ModuleType("comfy.cli_args")
+    cli.args = types.SimpleNamespace(use_ck_attention=True)
+    monkeypatch.setitem(sys.modules, "comfy.cli_args", cli)
+    assert comfy_attention_choice(None) == "ck"
+    mm = types.ModuleType("comfy.model_management")
+    mm.sage_attention_enabled = lambda: True
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    assert comfy_attention_choice(None) == "sage"
+    assert comfy_attention_choice("attention_pytorch") is None       # the function ComfyUI passed wins
