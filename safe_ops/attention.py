@@ -639,11 +639,12 @@ class SafeAttention:
                 else:
                     o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
                 if fence is not None:
-                    fence([t for t, copy in ((qs, "q" in plan.repack),
-                                             (ks, km is not None or "k" in plan.repack),
+                    fence([t for t, copy in ((ks, km is not None or "k" in plan.repack),
                                              (vs, "v" in plan.repack)) if copy])
                 acc, run = lse_merge(acc, run, o, lse)
                 del ks, vs, o, lse
+            if fence is not None and "q" in plan.repack:
+                fence([qs])                  # once, after its last launch (not once per key chunk)
             out[:, h0:h1, s0:s1].copy_(acc)
             del acc, run, qs
 
