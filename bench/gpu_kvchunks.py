@@ -404,7 +404,9 @@ def update_table(result_path: str, table_path: str) -> dict:
     into safe_ops/kernel_table.json under the run's arch; families not re-measured are kept."""
     with open(result_path) as f:
         res = json.load(f)
-    fam = res["sections"]["families"]
+    fam = res.get("sections", {}).get("families", {})
+    if not fam.get("kernel_table_tflops"):
+        raise SystemExit(f"{result_path}: no measured families section (error: {fam.get('error') or fam.get('stderr_tail')})")
     arch = res["env"]["arch"]
     with open(table_path) as f:
         table = json.load(f)
