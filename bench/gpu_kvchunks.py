@@ -2,7 +2,7 @@
 SafeAttention, the comfy-kitchen boundary probe and the 99,866-token guarded/in-limit ratio.
 
     python bench/gpu_kvchunks.py --out bench/results/kvchunks_h200.json          # ~5-6 min on an H200
-    python bench/gpu_kvchunks.py --quick --out /tmp/kvchunks_quick.json          # ~1-2 min
+    python bench/gpu_kvchunks.py --quick --out /tmp/kvchunks_quick.json          # ~2-3 min
     python bench/gpu_kvchunks.py --update-table bench/results/kvchunks_h200.json  # -> kernel_table.json
 
 Sections (``--only a,b``): ``families`` (time + rel. L2 of each sage-2 family, comfy-kitchen
@@ -451,7 +451,7 @@ def run_section(name: str, argv: list[str], timeout: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out")
-    ap.add_argument("--quick", action="store_true", help="fewer sizes, families and repetitions (~1-2 min)")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes, families and repetitions (~2-3 min)")
     ap.add_argument("--only", default="families,kvchunks,ck_probe,guard")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--sizes", default="38000,100000,169000")
