@@ -11,24 +11,29 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
+from . import envelope_ck  # noqa: F401  (registers the comfy-kitchen families)
 from . import report
 from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
 from .fences import GLOBAL_FENCES, FenceBook, StreamHop
+from .mlp import _free_device_bytes
 from .planner import Plan, choose, plan_for, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
-from .runtime import Runtime, auto_order, comfy_attention_choice, runtime
+from .runtime import Runtime, auto_order, comfy_attention_choice, measured_tflops, runtime
 
 log = logging.getLogger("SafeSage")
 
-# Fraction of currently free device memory a plan may use for its own copies.
-FREE_MEMORY_FRACTION = 0.5
+# Fraction of currently free device memory a plan's peak may use: its own copies and merge
+# state *and* the kernel's temporaries of one launch (Plan.peak_bytes) -- everything the call
+# allocates beyond its inputs and result, so most of what is free, with a margin.
+FREE_MEMORY_FRACTION = 0.8
 BUDGET_STEP = 2 ** 0.25      # budget buckets (~19% apart): a plan is re-chosen when free memory moves
 BUDGET_POLL_S = 0.05         # free memory is re-read at most this often
 
@@ -151,7 +156,6 @@ def ck_kernel(rt: Runtime | None = None) -> Kernel | None:
     fam = rt.ck_family
     if fam is None:
         return None
-    from .envelope_ck import CK_INT8  # noqa: F401  (registers the ck families)
     if fam not in FAMILIES:
         return None
     try:
@@ -169,8 +173,22 @@ def ck_kernel(rt: Runtime | None = None) -> Kernel | None:
 
 
 def installed_kernels(rt: Runtime) -> list[Kernel]:
-    """Every usable kernel family here: the sage family sageattn runs, then comfy-kitchen's."""
-    return [kk for kk in (sage_kernel(rt), ck_kernel(rt)) if kk is not None]
+    """Every usable kernel family here, in ``kernel=sage`` preference order: the family
+    ``sageattn`` dispatches to; then (sage 2.2) the other sage-2 families this build runs on
+    this arch *that kernel_table.json measured on it* (only verified families are written
+    there; an unmeasured family could shadow the dispatch family's evidence-based rules, e.g.
+    per_warp FP8-PV on sm_120 without #388's length rule), fastest first; then comfy-kitchen."""
+    first = sage_kernel(rt)
+    out = [first]
+    from .envelope_sage2 import RUNS_ON, KvLenRule
+    if (first is not None and first.family != "sage1_triton" and rt.arch is not None
+            and not any(isinstance(r, KvLenRule) for r in first.envelope.extra_rules)):
+        tflops = measured_tflops(rt.arch_name)
+        for fam in sorted(tflops, key=lambda f: -tflops[f]):
+            if fam != first.family and tuple(rt.arch) in RUNS_ON.get(fam, ()):
+                out.append(sage2_kernel(fam))
+    out.append(ck_kernel(rt))
+    return [kk for kk in out if kk is not None]
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -308,7 +326,8 @@ class SafeAttention:
         """Kernel families in preference order for this policy (sdpa always last resort).
 
         ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default read from
-        the name of the attention function ComfyUI handed to the override.
+        the name of the attention function ComfyUI handed to the override (sage, comfy-kitchen
+        or neither), or from ComfyUI's flags when ``func`` is None (runtime.comfy_attention_choice).
         """
         sage = [f for f in self.kernels if f != "sdpa"]
         if self.policy.kernel == "sdpa":
@@ -319,18 +338,19 @@ class SafeAttention:
         if comfy_wants_sage is not None:
             choice = "sage" if comfy_wants_sage else None
         else:
-            choice = comfy_attention_choice(getattr(func, "__name__", "") if func is not None else "")
+            # ComfyUI's function names it; without one, ComfyUI's flags do (if it is loaded)
+            choice = comfy_attention_choice(getattr(func, "__name__", "") if func is not None else None)
         return auto_order(self.rt.arch_name, sage, choice)[0]
 
     def _budget(self, device: torch.device) -> int | None:
         """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit).
 
-        Free device memory plus what PyTorch's caching allocator holds unused, times
-        FREE_MEMORY_FRACTION, rounded down to a BUDGET_STEP bucket so that plans are re-chosen
-        only when it really moves. Re-read at most every BUDGET_POLL_S seconds:
-        ``cudaMemGetInfo`` and the allocator counters are host queries -- no stream or device
-        synchronisation -- and they see what ComfyUI's dynamic VRAM (comfy-aimdo) frees or
-        takes between calls.
+        Free device memory -- ComfyUI's own ``get_free_memory`` when ComfyUI is loaded (it adds
+        what PyTorch's caching allocator holds unused), else ``cudaMemGetInfo`` plus that idle
+        cache -- times FREE_MEMORY_FRACTION, rounded down to a BUDGET_STEP bucket so that plans
+        are re-chosen only when it really moves. Re-read at most every BUDGET_POLL_S seconds;
+        both are host queries (no stream or device synchronisation) and see what ComfyUI's
+        dynamic VRAM (comfy-aimdo) frees or takes between calls.
         """
         if self.policy.max_extra_bytes is not None:
             return self.policy.max_extra_bytes
@@ -342,9 +362,12 @@ class SafeAttention:
         if hit is not None and now - hit[0] < BUDGET_POLL_S:
             return hit[1]
         try:
-            free, _ = torch.cuda.mem_get_info(device)
-            idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            budget = budget_bucket(int((free + max(idle, 0)) * FREE_MEMORY_FRACTION))
+            if "comfy.model_management" in sys.modules:
+                free = _free_device_bytes(device)          # ComfyUI's accounting
+            else:
+                free = torch.cuda.mem_get_info(device)[0] + max(
+                    torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), 0)
+            budget = None if free is None else budget_bucket(int(free * FREE_MEMORY_FRACTION))
         except Exception:
             budget = None
         cache[device.index] = (now, budget)
@@ -576,11 +599,12 @@ class SafeAttention:
         element of the block), one launch's output and temporaries, the centred key chunk
         and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
 
-        Fencing (legacy-stream kernels): only the slices that are views of the caller's
-        tensors are fenced. Everything else here (centred/repacked copies, the kernel's output
-        and LSE, the accumulator) is allocated and consumed on the hop's stream, where the
-        caching allocator already orders reuse; fencing it would keep every key chunk's
-        output alive until the GPU caught up -- n_kv times the memory the plan was priced at.
+        Fencing (legacy-stream kernels), as for the other plans (run_plan): the copies made
+        for the kernel (repacked q/v, the centred key chunk) are fenced; views of the caller's
+        tensors are not. The kernel's output and LSE and the accumulator are not either: they
+        are allocated and consumed on the hop's stream, where the allocator orders reuse, and
+        holding every key chunk's output until the GPU caught up would multiply the memory
+        the plan was priced at.
         """
         q = n.q
         B, _, Sq, D = q.shape
@@ -615,11 +639,12 @@ class SafeAttention:
                 else:
                     o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
                 if fence is not None:
-                    fence([t for t, view in ((qs, "q" not in plan.repack),
-                                             (ks, km is None and "k" not in plan.repack),
-                                             (vs, "v" not in plan.repack)) if view])
+                    fence([t for t, copy in ((ks, km is not None or "k" in plan.repack),
+                                             (vs, "v" in plan.repack)) if copy])
                 acc, run = lse_merge(acc, run, o, lse)
                 del ks, vs, o, lse
+            if fence is not None and "q" in plan.repack:
+                fence([qs])                  # once, after its last launch (not once per key chunk)
             out[:, h0:h1, s0:s1].copy_(acc)
             del acc, run, qs
 

@@ -325,9 +325,11 @@ def _per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]
     terms = (
         _terms(k, "q", "bhs", "i32", f"{PT}:35")            # input_ptrs, caller's q
         + _terms(k, "q:alloc", "bhs", "i32", f"{PT}:36")    # q_int8 = torch.empty(q.shape) :155
-        # caller's k: read when smooth_k=False (direct calls only; sageattn always smooths).
-        # Kept as a conservative union with k_smooth below.
-        + _terms(k, "k", "bhs", "i32", f"{PT}:79")
+        # The caller's k is never indexed here: smooth_k (on in every SAGEATTN_CALL call, the
+        # functions' default) makes per_thread_int8 quantise `k - km` (:158-159), a fresh dense
+        # tensor (k_smooth below); kv_chunks' smooth_k=False calls get a dense centred copy,
+        # whose strides are k_smooth's. (Until issue 11 the caller's k was listed too, which
+        # made every strided H3 call past 99,865 copy k for nothing.)
         + _terms(k, "k:alloc", "bhs", "i32", f"{PT}:81")    # k_int8 :156
     )
     dterms = _dterms(k, "k_smooth", "bhs", "i32", f"{PT}:159")   # k = k - km, then :79-80
@@ -342,7 +344,7 @@ def _per_block_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]]
     terms = (
         _terms(k, "q", "bhs", "i32", f"{PB}:35")
         + _terms(k, "q:alloc", "bhs", "i32", f"{PB}:36")
-        + _terms(k, "k", "bhs", "i32", f"{PB}:35")          # smooth_k=False (direct calls)
+        # caller's k: not indexed, `k - km` is (quant_per_block.py:52-53; see _per_thread_triton)
         + _terms(k, "k:alloc", "bhs", "i32", f"{PB}:36")
     )
     dterms = _dterms(k, "k_smooth", "bhs", "i32", f"{PB}:54")

@@ -165,12 +165,27 @@ def kernel_table() -> dict:
         return {}
 
 
+# Families that run the same kernel and differ only in their (version-dependent) envelope
+# share one measured number: comfy-kitchen 0.2.29-0.2.39 and 0.2.40 (or a copy without
+# package metadata, which gets the conservative envelope) time the same int8_attention.
+TABLE_ALIAS = {"ck_int8_pre240": "ck_int8"}
+
+
+def measured_tflops(arch_name: str) -> dict:
+    """Measured TFLOP/s per family on ``arch_name`` (aliases filled in); {} when unmeasured."""
+    tflops = dict(kernel_table().get("archs", {}).get(arch_name, {}).get("tflops", {}))
+    for alias, name in TABLE_ALIAS.items():
+        if alias in tflops or name in tflops:
+            tflops.setdefault(name, tflops.get(alias))
+            tflops.setdefault(alias, tflops[name])
+    return tflops
+
+
 def measured_order(arch_name: str, families: list[str]) -> list[str] | None:
     """Families sorted fastest first by the measured table, or None if this arch is unmeasured."""
-    entry = kernel_table().get("archs", {}).get(arch_name)
-    if not entry:
+    tflops = measured_tflops(arch_name)
+    if not tflops:
         return None
-    tflops = entry.get("tflops", {})
     known = [f for f in families if f in tflops]
     if not known:
         return None
@@ -215,7 +230,7 @@ def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) ->
     family ComfyUI was not configured for comes after SDPA (never used by ``auto``)."""
     order = measured_order(arch_name, families + ["sdpa"])
     if order is not None:
-        tflops = kernel_table()["archs"][arch_name]["tflops"]
+        tflops = measured_tflops(arch_name)
         first = order[0]
         rest = ", ".join(f"{f} {tflops[f]:.0f}" for f in order[1:] if f in tflops)
         unmeasured = [f for f in order if f not in tflops]

@@ -104,3 +104,38 @@ def test_budget_sees_an_allocation_without_sync():
         assert b0 <= free * FREE_MEMORY_FRACTION * 1.5 + torch.cuda.memory_reserved()
     finally:
         A.BUDGET_POLL_S = old
+
+
+def test_kv_chunks_from_a_side_stream():
+    """The legacy-stream hop with key chunks: same result from a side stream, and no growth of
+    allocated memory once the call is done (copies fenced, chunk outputs allocator-ordered)."""
+    from safe_ops.attention import Kernel, sage2_kernel
+    from safe_ops.envelope_sage2 import KvLenRule
+    from safe_ops import planner
+    kern = sage2_kernel("sage2_fp8pv_perwarp")
+    if kern is None or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("per_warp FP8-PV kernel not available here")
+    env = dataclasses.replace(kern.envelope, extra_rules=kern.envelope.extra_rules
+                              + (KvLenRule(kern.family, 6_000, "test", "test"),))
+    old = planner.MIN_KV_CHUNK
+    planner.MIN_KV_CHUNK = 1024
+    try:
+        q, k, v = h3(12_000, seed=3)
+        att = _att(Kernel(env, kern.fn, kern.tolerance, kern.fn_lse))
+        base = att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            o = att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        assert report.STATS["plan:kv_chunks"] == 2 and report.STATS["stream_hops"] >= 1
+        assert torch.equal(o, base) or rel(o, base) < 1e-3
+        from safe_ops.fences import GLOBAL_FENCES
+        GLOBAL_FENCES.drain()
+        del o
+        assert torch.cuda.memory_allocated() <= before + 1024
+    finally:
+        planner.MIN_KV_CHUNK = old

@@ -528,7 +528,7 @@ def test_plan_follows_the_budget_when_free_memory_moves():
     assert report.STATS["plan:sdpa"] == 0
 
 
-def test_auto_order_and_explanation():
+def test_auto_order_and_explanation(monkeypatch):
     from safe_ops.runtime import auto_order, comfy_attention_choice, explain_auto
     assert comfy_attention_choice("attention_sage") == "sage"
     assert comfy_attention_choice("attention_comfy_kitchen_int8") == "ck"
@@ -541,4 +541,68 @@ def test_auto_order_and_explanation():
     line = explain_auto(rt, fams, "ck")
     assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
     assert explain_auto(rt, [], None).startswith("auto picked PyTorch SDPA because no sage-family")
+    from safe_ops import runtime as R
+    table = {"archs": {"sm_120": {"tflops": {"sdpa": 300.0, "ck_int8": 500.0}}}}
+    monkeypatch.setattr(R, "kernel_table", lambda: table)
+    order, why = auto_order("sm_120", ["sage2_sm120_fp8pv", "ck_int8_pre240"], None)
+    assert order[:2] == ["ck_int8_pre240", "sdpa"] and "500 TFLOP/s" in why   # shares ck_int8's number
+    assert "not measured: sage2_sm120_fp8pv" in why
     assert "as asked" in explain_auto(rt, fams, None, "sdpa")
+
+
+def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
+    """With sage 2.2, other sage-2 families join sageattn's own only where kernel_table.json has
+    a (verified) measurement for this arch; per_warp never shadows sm_120's length rule."""
+    import sys
+    import types
+
+    import safe_ops.attention as A
+    from safe_ops.envelope_sage2 import SAGEATTN_CALL
+    fake = types.ModuleType("sageattention")
+    for name, _ in SAGEATTN_CALL.values():
+        setattr(fake, name, lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "sageattention", fake)
+    table = {"archs": {"sm_90": {"tflops": {"sdpa": 556.0, "sage2_fp8pv_perwarp": 700.0,
+                                            "sage2_sm90": 650.0, "sage2_sm120_fp8pv": 900.0}}}}
+    monkeypatch.setattr("safe_ops.runtime.kernel_table", lambda: table)
+    h200 = Runtime("t", None, "H200", (9, 0), "2.2.0", "sage2_sm90", None, None, None, None)
+    fams = [k.family for k in A.installed_kernels(h200)]
+    assert fams == ["sage2_sm90", "sage2_fp8pv_perwarp"]            # sm120 kernel does not run on sm_90
+    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=A.installed_kernels(h200), rt=h200)
+    assert att.candidates(None, comfy_wants_sage=False)[:3] == ["sage2_fp8pv_perwarp", "sage2_sm90", "sdpa"]
+    rtx = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
+    assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
+    table["archs"]["sm_120"] = {"tflops": {"sage2_fp8pv_perwarp": 999.0}}   # even if measured
+    assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
+    assert all(k.fn_lse is not None and k.envelope.returns_lse for k in A.installed_kernels(h200))
+
+
+def test_ck_detection_by_version(monkeypatch):
+    import safe_ops.runtime as R
+    versions = {"comfy-kitchen": "0.2.26"}
+    monkeypatch.setattr(R, "_dist_version", lambda name: versions.get(name))
+    v, fam, err = R._ck_facts((12, 0))
+    assert (v, fam) == ("0.2.26", None) and "needs >= 0.2.29" in err
+    versions["comfy-kitchen"] = "0.2.40"
+    v, fam, err = R._ck_facts(None)
+    assert (v, fam, err) == ("0.2.40", None, "no CUDA device")
+    versions.clear()
+    monkeypatch.setattr(R.importlib.util, "find_spec", lambda name: None)
+    assert R._ck_facts((9, 0)) == (None, None, "package not installed")
+
+
+def test_comfy_flags_name_the_configured_kernel(monkeypatch):
+    import sys
+    import types
+
+    from safe_ops.runtime import comfy_attention_choice
+    assert comfy_attention_choice(None) is None                      # ComfyUI not loaded
+    cli = types.ModuleType("comfy.cli_args")
+    cli.args = types.SimpleNamespace(use_ck_attention=True)
+    monkeypatch.setitem(sys.modules, "comfy.cli_args", cli)
+    assert comfy_attention_choice(None) == "ck"
+    mm = types.ModuleType("comfy.model_management")
+    mm.sage_attention_enabled = lambda: True
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    assert comfy_attention_choice(None) == "sage"
+    assert comfy_attention_choice("attention_pytorch") is None       # the function ComfyUI passed wins
