@@ -420,7 +420,8 @@ class SafeAttention:
             report.count("plan:empty")
             return q.new_empty(q.shape)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-               n.caller_layout, n.mask is None, "sage" in getattr(func, "__name__", ""), n.low_precision_ok)
+               n.caller_layout, n.mask is None, comfy_attention_choice(getattr(func, "__name__", "")),
+               n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
             p = self._prepared[key] = self._prepare(n, func)

@@ -16,7 +16,7 @@ from .attention import SafeAttention
 from .fences import GLOBAL_FENCES
 from .mlp import install_h3_mlp_patches
 from .policy import Policy
-from .runtime import kernel_table, runtime
+from .runtime import explain_auto, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -102,11 +102,10 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         warnings.append(f"MLP patch conflict: {c}")
     report.set_info("mlp_patched", mlp_summary.get("patched", 0))
 
-    cand = attn.candidates(None, comfy_wants_sage=_comfy_uses_sage())
-    lines.append(f"kernel policy '{policy.kernel}': preference {' > '.join(cand)}"
-                 + ("" if rt.arch is None or policy.kernel != "auto" else
-                    " (from the measured table)" if rt.arch_name in _measured_archs() else
-                    " (GPU not in the measured table: follows ComfyUI's own attention choice)"))
+    # ComfyUI's own choice (--use-sage-attention / --use-ck-attention) read from its flags
+    cand = attn.candidates(None)
+    lines.append(f"kernel policy '{policy.kernel}': preference {' > '.join(cand)}")
+    lines.append(explain_auto(rt, [f for f in attn.kernels if f != "sdpa"], None, policy.kernel))
     if rt.sage_family is None and policy.kernel == "auto":
         lines.append(f"SageAttention not used: {rt.sage_error}; attention runs on PyTorch SDPA")
     lines.append(f"verify: {policy.verify}; debug_sync: {'on' if policy.debug_sync else 'off'}")
@@ -121,18 +120,3 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     log.info("%s", text)
     return m, {"text": text, "runtime": rt.summary(), "candidates": cand, "mlp": mlp_summary,
                "warnings": warnings}
-
-
-def _comfy_uses_sage() -> bool:
-    """Whether ComfyUI was started with --use-sage-attention (False outside ComfyUI)."""
-    import sys
-    mm = sys.modules.get("comfy.model_management")
-    fn = getattr(mm, "sage_attention_enabled", None)
-    try:
-        return bool(fn()) if callable(fn) else False
-    except Exception:
-        return False
-
-
-def _measured_archs() -> set:
-    return set(kernel_table().get("archs", {}))
