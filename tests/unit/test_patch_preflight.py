@@ -65,6 +65,7 @@ def test_clone_not_mutated_and_override_installed():
     assert "optimized_attention_override" not in m.model_options["transformer_options"]
     assert isinstance(out.model_options["transformer_options"]["optimized_attention_override"], SafeAttention)
     assert "SageAttention not used: package not installed" in summary["text"]
+    assert "auto picked PyTorch SDPA because no sage-family kernel is usable" in summary["text"]
     assert summary["mlp"]["patched"] == 0 and summary["mlp"]["skipped"]
 
 
