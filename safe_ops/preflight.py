@@ -372,7 +372,9 @@ def limits_lines(rt, policy, comfy_wants_sage: bool = False) -> list[str]:
         out.append(f"H3 attention on {sc.family}: as called it is safe up to "
                    + (f"{up:,} tokens" if up else "any length checked (2,000,000)")
                    + f"; at {S:,} tokens (1664x960x362, 3 refs) the call runs: {v.plan.describe(reasons=False)}")
-    out.append("SafeSage Preflight (model/patch/attention) reports this for any size before you queue it.")
+    out.append("SafeSage Preflight (model/patch/attention) reports, for any H3 size before you queue it, "
+               "the kernel limits it crosses and the plan SafeSage runs"
+               + ("." if rt.arch is not None else " (here, without a GPU: for common GPUs)."))
     return out
 
 

@@ -17,8 +17,8 @@ function statusWidget(node) {
   if (typeof node.addDOMWidget === "function") {
     const el = document.createElement("textarea");
     el.readOnly = true;
-    el.rows = 6;
-    el.style.cssText = "width:100%;font:11px monospace;opacity:0.85;resize:vertical;white-space:pre;";
+    el.rows = 8;
+    el.style.cssText = "width:100%;font:11px monospace;opacity:0.85;resize:vertical;white-space:pre-wrap;overflow-wrap:anywhere;";
     w = node.addDOMWidget(STATUS, "safesage_status", el, {
       serialize: false, // not a node input: never sent in the prompt
       getValue: () => el.value,
