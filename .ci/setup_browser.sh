@@ -31,12 +31,16 @@ if [[ -x /usr/bin/chromium ]]; then
 elif command -v apt-get >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]]; then
     log "installing chromium from Debian (apt-get)"
     export DEBIAN_FRONTEND=noninteractive
-    if apt-get update -qq >&2 && apt-get install -y -qq --no-install-recommends chromium >&2; then
+    apt_log="$(mktemp "${TMPDIR:-/tmp}/setup_browser_apt.XXXXXX")"
+    if apt-get update -qq >"$apt_log" 2>&1 \
+            && apt-get install -y -qq --no-install-recommends chromium >>"$apt_log" 2>&1; then
         log "chromium installed: $(/usr/bin/chromium --version 2>/dev/null | head -1)"
     else
+        tail -n 20 "$apt_log" >&2
         log "WARNING: apt-get could not install chromium; the browser tests will skip"
         rc=1
     fi
+    rm -f "$apt_log"
 else
     log "WARNING: no /usr/bin/chromium and no root apt-get; the browser tests will skip"
     rc=1

@@ -79,20 +79,13 @@ def _wait_queue_empty(comfy, timeout: float = 240) -> None:
     raise TimeoutError("the prompt queued from the frontend did not finish; log tail:\n" + comfy.log_tail())
 
 
-def _show_stats_from_menu(page) -> str:
-    """Extensions > SafeSage > show run statistics in the top menu; the command registry when this
-    frontend's menu differs. Returns how it was run."""
-    try:
-        page.mouse.click(28, 70)
-        page.get_by_role("menuitem", name="Extensions").first.hover(timeout=5_000)
-        page.get_by_role("menuitem", name="SafeSage").first.hover(timeout=5_000)
-        page.get_by_role("menuitem", name="SafeSage: show run statistics").first.click(timeout=5_000)
-        return "menu"
-    except Exception as e:  # another frontend layout: run the registered command itself
-        print("[browser] menu path unavailable (%s); running the command SafeSage.ShowStats" % type(e).__name__)
-        page.keyboard.press("Escape")
-        page.evaluate("() => app.extensionManager.command.execute('SafeSage.ShowStats')")
-        return "command"
+def _show_stats_from_menu(page) -> None:
+    """ComfyUI logo menu > Extensions > SafeSage > "SafeSage: show run statistics" (the menu entry
+    web/safesage.js registers for its command; same path in frontend 1.32.9 and 1.48.6)."""
+    page.locator(".comfyui-logo").first.click(timeout=10_000)
+    page.get_by_role("menuitem", name="Extensions").first.hover(timeout=10_000)
+    page.get_by_role("menuitem", name="SafeSage").first.hover(timeout=10_000)
+    page.get_by_role("menuitem", name="SafeSage: show run statistics").first.click(timeout=10_000)
 
 
 def test_node_from_search_status_and_stats(page, comfy, seed_counter, tmp_path):
@@ -135,7 +128,7 @@ def test_node_from_search_status_and_stats(page, comfy, seed_counter, tmp_path):
     shot = SCREENSHOT if os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1" else tmp_path / SCREENSHOT.name
     page.screenshot(path=str(shot), clip={"x": 70, "y": 90, "width": 1240, "height": 530})
 
-    how = _show_stats_from_menu(page)
+    _show_stats_from_menu(page)
     page.wait_for_function("() => (%s)()?.startsWith('run statistics (/safesage/stats)')" % STATUS_JS,
                           timeout=30_000)
     shown = page.evaluate(STATUS_JS)
@@ -143,9 +136,12 @@ def test_node_from_search_status_and_stats(page, comfy, seed_counter, tmp_path):
     assert stats["attention_calls"] == comfy.safesage_stats()["attention_calls"] > 0
     assert stats["plans"] and "fallback_reasons" in stats
     assert page.evaluate(VISIBLE_STATUS_JS, "run statistics (/safesage/stats)")
-    errors = [l for l in page.safesage_console if "SafeSage" in l and re.match(r"(error|pageerror)", l)]
+    # the extension's own complaints (it logs with a "[SafeSage]" prefix) and uncaught errors in it
+    errors = [l for l in page.safesage_console
+              if (l.startswith(("error:", "warning:")) and "[SafeSage]" in l)
+              or (l.startswith("pageerror:") and "safesage" in l.lower())]
     assert not errors, errors
-    print("[browser] node search -> queue -> status -> stats (%s) in %.1f s" % (how, time.monotonic() - t0))
+    print("[browser] node search -> queue -> status -> stats in %.1f s" % (time.monotonic() - t0))
 
 
 def test_frontend_converts_the_ui_example_to_the_api_copy(page, comfy):
