@@ -15,7 +15,6 @@ when they are already loaded (``sys.modules``) or imported lazily inside
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 from .envelope import FAMILIES, AttnCall, TensorDesc, check
