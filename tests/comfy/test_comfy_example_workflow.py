@@ -99,3 +99,19 @@ def test_api_copy_validates_up_to_the_missing_files(comfy):
     assert bad and {api[k]["class_type"] for k in bad} <= file_nodes, json.dumps(bad)[:3000]
     for k, e in bad.items():
         assert all(x["type"] in ("value_not_in_list", "custom_validation_failed") for x in e["errors"]), e
+
+
+def test_template_browser_lists_the_ui_workflow_and_thumbnail(comfy):
+    """ComfyUI's own template routes: /workflow_templates lists the pack's templates (only
+    example_workflows/*.json, so not the API copy), and the frontend fetches each one and its
+    thumbnail from /api/workflow_templates/<pack folder>/<name>.json|.jpg."""
+    import requests
+
+    from comfy_server import PACK_DIR_NAME
+
+    listed = comfy.get_json("/workflow_templates")
+    assert listed.get(PACK_DIR_NAME) == [NAME], listed
+    for ext, ctype in ((".json", "application/json"), (".jpg", "image/jpeg")):
+        r = requests.get("%s/api/workflow_templates/%s/%s%s" % (comfy.url, PACK_DIR_NAME, NAME, ext), timeout=30)
+        assert r.status_code == 200 and r.headers["content-type"].startswith(ctype), (ext, r.status_code)
+        assert r.content == (REPO / "example_workflows" / (NAME + ext)).read_bytes()
