@@ -73,7 +73,3 @@ class _Seeds:
 
 _SEEDS = _Seeds()
 
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "browser: drives ComfyUI's frontend in headless chromium "
-                                       "(tests/comfy/test_browser_*.py); skipped without chromium/playwright")

@@ -70,7 +70,7 @@ def test_ui_workflow_converts_to_the_api_copy(comfy):
     info = comfy.object_info()
     missing = sorted({n["type"] for n in ui["nodes"]} - set(info))
     if missing:
-        pytest.skip("this ComfyUI lacks node types of the H3 example (%s): run with COMFYUI_PATH=<0dd9b154 "
+        pytest.skip("this ComfyUI has no MiniMax H3 node types (%s): the H3 example needs COMFYUI_PATH=<0dd9b154 "
                     "or later>" % ", ".join(missing))
     got = ui_to_api(ui, info)
     assert sorted(got) == sorted(api)
@@ -91,7 +91,7 @@ def test_api_copy_validates_up_to_the_missing_files(comfy):
     api = json.loads((REPO / "example_workflows" / "api" / (NAME + ".json")).read_text())
     info = comfy.object_info()
     if set(v["class_type"] for v in api.values()) - set(info):
-        pytest.skip("this ComfyUI lacks node types of the H3 example: run with COMFYUI_PATH=<0dd9b154 or later>")
+        pytest.skip("this ComfyUI has no MiniMax H3 node types: the H3 example needs COMFYUI_PATH=<0dd9b154 or later>")
     res = comfy.post_prompt(api)
     assert isinstance(res, dict), "queued although the H3 model files are absent"
     bad = res.get("node_errors", {})

@@ -1,7 +1,7 @@
 """example_workflows/: the UI-format template ComfyUI's template browser lists, its thumbnail, and
 the API-format copy. Pure JSON checks here; tests/comfy/test_comfy_example_workflow.py converts
 the UI file to an API prompt against a real ComfyUI's /object_info, and
-tests/comfy/test_browser_frontend.py lets the frontend itself convert it."""
+tests/browser/test_browser_frontend.py lets the frontend itself convert it."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 from the API copy in example_workflows/api/, with ComfyUI's own frontend doing the conversion.
 
     COMFYUI_PATH=<ComfyUI 0dd9b154 tree> SAFESAGE_PYTHON=<venv python> \
-        <venv python> tests/comfy/make_ui_workflow.py
+        <venv python> tests/browser/make_ui_workflow.py
 
 Starts a headless ComfyUI (--cpu) with the pack, opens it in headless chromium, loads the API
 graph with the frontend's app.loadApiJson, sets the reporter's seed to 'fixed' (the frontend
@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+COMFY_TESTS = HERE.parent / "comfy"
+sys.path[:0] = [str(HERE), str(COMFY_TESTS)]
 
 from browser import browser_problem, hide_overlays, open_comfy  # noqa: E402
 from comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer,  # noqa: E402
@@ -43,7 +44,7 @@ def main() -> int:
         return 2
     api = json.loads(API.read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        server = ComfyServer(Path(tmp), {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE / "test_nodes"})
+        server = ComfyServer(Path(tmp), {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: COMFY_TESTS / "test_nodes"})
         server.start()
         try:
             with open_comfy(server.url) as page:

@@ -1,4 +1,4 @@
-"""Headless Debian chromium driven by Playwright, for the frontend tests (tests/comfy/test_browser_*.py).
+"""Headless Debian chromium driven by Playwright, for the frontend tests (tests/browser/).
 
 No browser download ever: Playwright launches /usr/bin/chromium (`.ci/setup_browser.sh` installs it
 from Debian, and playwright + comfyui-frontend-package into the test venv). `browser_problem()`

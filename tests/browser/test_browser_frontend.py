@@ -1,11 +1,12 @@
 """The pack in ComfyUI's real frontend (comfyui-frontend-package), driven in headless Debian chromium.
 
-One page on the session's headless ComfyUI (--cpu): the node is added from the node search box
+One page on a headless ComfyUI (--cpu) of its own (tests/browser/conftest.py): the node is added from the node search box
 (double-click on the canvas, type, Enter), wired between a tiny SD2 UNet loader and KSampler and
 queued from the frontend; the status text SafeSageAttention returns must appear in the box on the
 node, and the "SafeSage: show run statistics" command (Extensions menu) must put the numbers of
 GET /safesage/stats there. Skipped, with the reason, without chromium, playwright or the frontend
-package (`bash .ci/setup_browser.sh <venv python>` installs them). Marked `browser`.
+package (`bash .ci/setup_browser.sh <venv python>` installs them), or without a ComfyUI tree.
+Marked `browser`.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import time
 
 import pytest
 
-from browser import browser_problem, hide_overlays, open_comfy
+from browser import hide_overlays, open_comfy
 from comfy_graphs import sd2_graph
-from comfy_server import REPO, has_minimax_h3, server_python
+from comfy_server import REPO, has_minimax_h3
 
 pytestmark = pytest.mark.browser
 
@@ -40,9 +41,6 @@ VISIBLE_STATUS_JS = """(prefix) => [...document.querySelectorAll('textarea')].so
 
 @pytest.fixture(scope="module")
 def page(comfy, tiny_sd2):
-    problem = browser_problem(server_python())
-    if problem:
-        pytest.skip(problem)
     console: list[str] = []
     t0 = time.monotonic()
     with open_comfy(comfy.url, console) as p:
@@ -87,9 +85,9 @@ def _show_stats_from_menu(page) -> None:
     page.get_by_role("menuitem", name="SafeSage: show run statistics").first.click(timeout=10_000)
 
 
-def test_node_from_search_status_and_stats(page, comfy, seed_counter, tmp_path):
+def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     t0 = time.monotonic()
-    graph = sd2_graph("safesage_tiny_sd2.safetensors", seed_counter(), "browser_sd2")
+    graph = sd2_graph("safesage_tiny_sd2.safetensors", seed, "browser_sd2")
     page.evaluate("async (g) => { await app.loadApiJson(g, 'safesage_browser'); }", graph)
     _add_node_from_search(page, "SafeSage Attention", "SafeSage Attention (MiniMax H3 safe)")
     # wire loader -> SafeSage -> KSampler, lay the graph out, and queue it from the frontend
