@@ -90,7 +90,7 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     graph = sd2_graph("safesage_tiny_sd2.safetensors", seed, "browser_sd2")
     page.evaluate("async (g) => { await app.loadApiJson(g, 'safesage_browser'); }", graph)
     _add_node_from_search(page, "SafeSage Attention", "SafeSage Attention (MiniMax H3 safe)")
-    # wire loader -> SafeSage -> KSampler, lay the graph out, and queue it from the frontend
+    # wire loader -> SafeSage -> KSampler and lay the graph out; then queue it with the Run button
     page.evaluate("""() => {
         const by = (t) => app.graph._nodes.find((n) => n.type === t);
         const loader = by('UNETLoader'), ss = by('SafeSageAttention'), ks = by('KSampler');
@@ -112,7 +112,7 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     assert "safesage_status" not in prompt[ss_id]["inputs"]
 
     before = comfy.safesage_stats()
-    page.evaluate("() => app.queuePrompt(0, 1)")
+    page.get_by_role("button", name="Run", exact=True).first.click(timeout=10_000)   # the queue button
     page.wait_for_function("() => (%s)()?.startsWith('SafeSage: ')" % STATUS_JS, timeout=240_000)
     status = page.evaluate(STATUS_JS)
     assert "kernel policy 'auto'" in status and "SafeSage Preflight" in status, status

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,12 +69,18 @@ def test_policy_changes_the_plan_and_the_mlp_chunk():
 
 
 def test_comfy_count_absent_without_comfyui():
-    import importlib.util
-
-    import pytest
-    if importlib.util.find_spec("comfy") is not None:
-        pytest.skip("ComfyUI is importable here; tests/comfy/test_comfy_preflight.py checks its count")
-    assert pf.comfy_h3_tokens(1664, 960, 362) is None
+    """Outside ComfyUI (a fresh process with only the repository on the path) ComfyUI's own count
+    is unavailable and the report falls back to SafeSage's arithmetic, saying so."""
+    code = ("from safe_ops.preflight import comfy_h3_tokens, preflight_report\n"
+            "from safe_ops.runtime import Runtime\n"
+            "rt = Runtime('t', None, None, None, None, None, 'x', None, None, None)\n"
+            "print(comfy_h3_tokens(1664, 960, 362))\n"
+            "print(preflight_report(64, 64, 5, rt=rt, comfy_wants_sage=False)['text'].splitlines()[1])\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr
+    none, line = r.stdout.splitlines()
+    assert none == "None" and "counted with SafeSage's copy" in line
 
 
 def test_token_arithmetic_pads_odd_latents_like_comfyui():
