@@ -228,7 +228,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     """What SafeSage does with H3's attention and MLP at S tokens in scenario ``sc``."""
     import torch
 
-    from .mlp import per_token_bytes, resolve_chunk
+    from .mlp import resolve_chunk
     from .runtime import Runtime, measured_order
     _register_sage2()
     v = Verdict(sc, S)
@@ -248,10 +248,21 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     setting = (policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking)
     dev = mlp_device if mlp_device is not None else torch.device("cpu")
     v.mlp_chunk = resolve_chunk(setting, S, H3_HIDDEN, H3_FFN, torch.bfloat16, dev)
-    per_tok = per_token_bytes(H3_HIDDEN, H3_FFN, 2)
-    v.mlp_unchunked_bytes = S * per_tok
-    v.mlp_bytes = (v.mlp_chunk * per_tok + S * H3_HIDDEN * 2) if v.mlp_chunk < S else v.mlp_unchunked_bytes
+    v.mlp_unchunked_bytes = mlp_transient_bytes(S, S)
+    v.mlp_bytes = mlp_transient_bytes(S, v.mlp_chunk)
     return v
+
+
+def mlp_transient_bytes(S: int, chunk: int, dtype_bytes: int = 2) -> int:
+    """Predicted working memory of one H3 MLP call above its input and weights: one chunk's
+    intermediates (mlp.per_token_bytes) plus, when chunked, the preallocated [S, hidden] output.
+    Unchunked it is an upper bound (per_token_bytes counts the quantised path's copies); tests
+    compare both with the H200 measurement in bench/results/mlp_h200.json."""
+    from .mlp import per_token_bytes
+    per_tok = per_token_bytes(H3_HIDDEN, H3_FFN, dtype_bytes)
+    if chunk >= S:
+        return S * per_tok
+    return chunk * per_tok + S * H3_HIDDEN * dtype_bytes
 
 
 def _family_text(fam: str | None, ver: str | None) -> str:

@@ -119,3 +119,22 @@ def test_tools_demo_runs_the_demo_with_this_python():
     r = subprocess.run([sys.executable, "tools/demo.py", "--help"], cwd=REPO, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "usage: python3 -m safe_ops.demo" in r.stdout and "preparing" not in r.stderr
+
+
+def test_mlp_prediction_against_the_h200_measurement():
+    """bench/results/mlp_h200.json (python3 bench/bench_mlp.py on an H200): chunked predictions
+    between 0.90x and 1.30x the measured working memory (per_token_bytes counts the fp8 input
+    copies of the scaled_mm path, which the dequantising path does not make), unchunked ones
+    never below it."""
+    import json
+
+    runs = json.loads((REPO / "bench" / "results" / "mlp_h200.json").read_text())["runs"]
+    assert len(runs) >= 12
+    for r in runs:
+        predicted = pf.mlp_transient_bytes(r["S"], r["chunk_tokens"])
+        measured = r["working_bytes"]
+        if r["variant"] == "unpatched":
+            assert measured <= predicted <= 1.5 * measured, r
+        else:
+            assert 0.90 * measured <= predicted <= 1.30 * measured, (r["mode"], r["S"], r["chunk_tokens"],
+                                                                     predicted / measured)
