@@ -18,8 +18,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "comfy")]
 
 from browser import browser_problem  # noqa: E402
-from comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer,  # noqa: E402
-                          comfy_path_problem, server_python)
+from comfy_server import comfy_path_problem, running_pack_server, server_python  # noqa: E402
 
 
 def pytest_configure(config):
@@ -46,14 +45,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def comfy(tmp_path_factory):
     """A ComfyUI server for the browser tests, with the pack, the test nodes and the frontend."""
-    base = tmp_path_factory.mktemp("comfy_browser_base")
-    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE.parent / "comfy" / "test_nodes"},
-                         name="browser")
-    try:
-        server.start()
+    with running_pack_server(tmp_path_factory.mktemp("comfy_browser_base"), name="browser") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -19,12 +19,11 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-COMFY_TESTS = HERE.parent / "comfy"
-sys.path[:0] = [str(HERE), str(COMFY_TESTS)]
+sys.path[:0] = [str(HERE), str(HERE.parent / "comfy")]
 
 from browser import browser_problem, hide_overlays, open_comfy  # noqa: E402
-from comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer,  # noqa: E402
-                          comfy_path_problem, has_minimax_h3, server_python)
+from comfy_server import (REPO, comfy_path_problem, has_minimax_h3, running_pack_server,  # noqa: E402
+                          server_python)
 
 NAME = "minimax_h3_ref2va_safesage"
 # node id -> canvas position: loaders left, SafeSage right after the model loader, sampling, decode, save
@@ -44,9 +43,7 @@ def main() -> int:
         return 2
     api = json.loads(API.read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        server = ComfyServer(Path(tmp), {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: COMFY_TESTS / "test_nodes"})
-        server.start()
-        try:
+        with running_pack_server(Path(tmp)) as server:
             with open_comfy(server.url) as page:
                 page.evaluate("async (g) => { await app.loadApiJson(g, %s); }" % json.dumps(NAME), api)
                 page.evaluate("""() => {
@@ -72,8 +69,6 @@ def main() -> int:
                 time.sleep(1.0)
                 page.screenshot(path=str(THUMB), type="jpeg", quality=80,
                                 clip={"x": 70, "y": 85, "width": 1100, "height": 600})
-        finally:
-            server.stop()
     print("wrote %s and %s" % (UI, THUMB))
     return 0
 
