@@ -26,8 +26,8 @@ pytestmark = pytest.mark.browser
 # SAFESAGE_UPDATE_SCREENSHOTS=1 rewrites the README's screenshot; otherwise it goes to pytest's tmp dir
 SCREENSHOT = REPO / "docs" / "safesage_node_in_comfyui.png"
 NAME = "minimax_h3_ref2va_safesage"
-STATUS_JS = """() => {
-    const n = app.graph._nodes.find((x) => x.type === 'SafeSageAttention');
+STATUS_JS = """(type) => {
+    const n = app.graph._nodes.find((x) => x.type === (type || 'SafeSageAttention'));
     const w = n?.widgets?.find((x) => x.name === 'safesage_status');
     return w ? (w.safesageElement ? w.safesageElement.value : w.value) ?? '' : null;
 }"""
@@ -96,11 +96,15 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
         const loader = by('UNETLoader'), ss = by('SafeSageAttention'), ks = by('KSampler');
         loader.connect(0, ss, 0);
         ss.connect(0, ks, 0);
+        const pf = LiteGraph.createNode('SafeSagePreflight');   // reports with SafeSage's settings
+        app.graph.add(pf);
+        ss.connect(0, pf, pf.findInputSlot('model'));
         const pos = {UNETLoader: [0, 0], SafeSageAttention: [0, 150], LotusConditioning: [620, 0],
                      ConditioningZeroOut: [620, 100], EmptyLatentImage: [620, 200], KSampler: [920, 0],
-                     SafeSageTestSaveLatent: [1260, 0]};
+                     SafeSageTestSaveLatent: [1260, 0], SafeSagePreflight: [620, 330]};
         for (const n of app.graph._nodes) if (pos[n.type]) n.pos = pos[n.type];
         ss.size = [580, 330];
+        pf.size = [590, 430];
         app.canvas.ds.scale = 1; app.canvas.ds.offset = [90, 130];
         app.canvas.setDirty(true, true);
     }""")
@@ -110,6 +114,8 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     assert next(v for v in prompt.values() if v["class_type"] == "KSampler")["inputs"]["model"] == [ss_id, 0]
     assert prompt[ss_id]["inputs"]["mlp_chunk_tokens"] == 16384 and prompt[ss_id]["inputs"]["kernel"] == "auto"
     assert "safesage_status" not in prompt[ss_id]["inputs"]
+    pf = next(v for v in prompt.values() if v["class_type"] == "SafeSagePreflight")
+    assert pf["inputs"]["model"] == [ss_id, 0] and pf["inputs"]["width"] == 1664
 
     before = comfy.safesage_stats()
     page.get_by_role("button", name="Run", exact=True).first.click(timeout=10_000)   # the queue button
@@ -118,12 +124,16 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     assert "kernel policy 'auto'" in status and "SafeSage Preflight" in status, status
     assert page.evaluate(VISIBLE_STATUS_JS, "SafeSage: "), "status text not visible on the node"
     _wait_queue_empty(comfy)
+    report = page.evaluate("(t) => (%s)(t)" % STATUS_JS, "SafeSagePreflight")
+    assert report.startswith("SafeSage preflight: MiniMax H3, 1664x960, 362 frames"), report
+    assert "settings from the SafeSage Attention node" in report and "NOT MiniMax H3" in report
+    assert page.evaluate(VISIBLE_STATUS_JS, "SafeSage preflight: "), "preflight report not visible"
     after = comfy.safesage_stats()
     assert after["attention_calls"] > before["attention_calls"]
     hide_overlays(page)
     page.wait_for_timeout(500)
     shot = SCREENSHOT if os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1" else tmp_path / SCREENSHOT.name
-    page.screenshot(path=str(shot), clip={"x": 70, "y": 90, "width": 1240, "height": 530})
+    page.screenshot(path=str(shot), clip={"x": 70, "y": 90, "width": 1240, "height": 800})
 
     _show_stats_from_menu(page)
     page.wait_for_function("() => (%s)()?.startsWith('run statistics (/safesage/stats)')" % STATUS_JS,
