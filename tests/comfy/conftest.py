@@ -72,4 +72,3 @@ class _Seeds:
 
 
 _SEEDS = _Seeds()
-
