@@ -1,40 +1,107 @@
-"""CI guard, run by .ci/run after pytest: the headless-ComfyUI tests must really have run.
+"""CI guard, run by .ci/run after each pass's pytest: the tests that matter must really have run.
 
 A conftest hook elsewhere, a broken fixture or a missing COMFYUI_PATH can turn every test in
 tests/comfy into a skip, and pytest still exits 0. Fail then, printing why they were skipped.
-Skips whose reason mentions MiniMax H3 are expected on ComfyUI trees without H3 (0.3.75).
 
-usage: python .ci/check_junit.py JUNIT_XML
+* every pass: the headless-ComfyUI tests (tests/comfy) ran, at least MIN_COMFY_PASSED passed,
+  and the only skips there are the MiniMax H3 ones (expected on trees without H3, e.g. 0.3.75);
+* --require-h3 (the 0dd9b154 pass, or any tree with comfy/ldm/minimax/model.py): no skip at all
+  in tests/comfy, and the H3 modules (H3_MODULES) each ran and passed at least their minimum
+  -- a skip there, for any reason, fails the run.
+
+Prints "pass NAME: N passed, N failed, N skipped" for every pass.
+
+usage: python .ci/check_junit.py --pass NAME [--require-h3] [--counts-only] JUNIT_XML
+       python .ci/check_junit.py --total JUNIT_XML...   (prints "total: N passed, N failed, N skipped")
 """
 
+import argparse
 import sys
 import xml.etree.ElementTree as ET
 
 MIN_COMFY_PASSED = 5
+#: module -> fewest tests that must pass there with --require-h3
+H3_MODULES = {
+    "tests.comfy.test_comfy_h3": 3,
+    "tests.unit.test_mlp_comfy": 20,
+}
 
 
-def main(path):
-    root = ET.parse(path).getroot()
-    passed, bad_skips = 0, []
-    for case in root.iter("testcase"):
-        if not case.get("classname", "").startswith("tests.comfy."):
-            continue
-        skipped = case.find("skipped")
-        if skipped is not None:
-            reason = skipped.get("message", "")
-            if "MiniMax H3" not in reason:
-                bad_skips.append("%s::%s: %s" % (case.get("classname"), case.get("name"), reason))
-        elif case.find("failure") is None and case.find("error") is None:
-            passed += 1
-    if bad_skips or passed < MIN_COMFY_PASSED:
-        print("[.ci/run] FAILED: the headless ComfyUI tests did not run (%d passed, %d skipped "
-              "unexpectedly):" % (passed, len(bad_skips)), file=sys.stderr)
-        for line in bad_skips[:20]:
+def _cases(path):
+    for case in ET.parse(path).getroot().iter("testcase"):
+        cls, name = case.get("classname", ""), case.get("name", "")
+        # a module-level skip is reported with an empty classname and the module as the name
+        test_id = "%s.%s" % (cls, name) if cls else name
+        if case.find("failure") is not None or case.find("error") is not None:
+            outcome, reason = "failed", ""
+        elif case.find("skipped") is not None:
+            outcome, reason = "skipped", case.find("skipped").get("message", "")
+        else:
+            outcome, reason = "passed", ""
+        yield test_id, outcome, reason
+
+
+def counts(paths):
+    c = {"passed": 0, "failed": 0, "skipped": 0}
+    for path in paths:
+        for _id, outcome, _reason in _cases(path):
+            c[outcome] += 1
+    return c
+
+
+def _line(c):
+    return "%d passed, %d failed, %d skipped" % (c["passed"], c["failed"], c["skipped"])
+
+
+def check(path, require_h3):
+    """Problems (strings); empty when the run is acceptable."""
+    problems = []
+    comfy_passed = 0
+    h3_passed = dict.fromkeys(H3_MODULES, 0)
+    for test_id, outcome, reason in _cases(path):
+        module = next((m for m in H3_MODULES if test_id == m or test_id.startswith(m + ".")), None)
+        if module is not None and outcome == "passed":
+            h3_passed[module] += 1
+        if outcome == "skipped" and (module is not None and require_h3):
+            problems.append("%s skipped: %s" % (test_id, reason))
+        elif test_id.startswith("tests.comfy."):
+            if outcome == "passed":
+                comfy_passed += 1
+            elif outcome == "skipped" and (require_h3 or "MiniMax H3" not in reason):
+                problems.append("%s skipped: %s" % (test_id, reason))
+    if comfy_passed < MIN_COMFY_PASSED:
+        problems.append("only %d headless ComfyUI tests passed (need %d)" % (comfy_passed, MIN_COMFY_PASSED))
+    if require_h3:
+        for module, least in H3_MODULES.items():
+            if h3_passed[module] < least:
+                problems.append("only %d tests of %s passed (need %d): the MiniMax H3 tests did not run"
+                                % (h3_passed[module], module, least))
+    return problems
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--pass", dest="pass_name", default="?")
+    ap.add_argument("--require-h3", action="store_true")
+    ap.add_argument("--counts-only", action="store_true", help="print the counts, check nothing")
+    ap.add_argument("--total", action="store_true", help="sum the counts of several junit files")
+    ap.add_argument("junit", nargs="+")
+    a = ap.parse_args(argv)
+    if a.total:
+        print("total: " + _line(counts(a.junit)))
+        return 0
+    path, = a.junit
+    print("[.ci/run] pass %s: %s" % (a.pass_name, _line(counts([path]))), file=sys.stderr)
+    if a.counts_only:
+        return 0
+    problems = check(path, a.require_h3)
+    if problems:
+        print("[.ci/run] FAILED (pass %s): the tests that must run here did not:" % a.pass_name, file=sys.stderr)
+        for line in problems[:20]:
             print("  " + line, file=sys.stderr)
         return 1
-    print("[.ci/run] headless ComfyUI tests: %d passed" % passed, file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

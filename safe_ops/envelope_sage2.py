@@ -115,6 +115,17 @@ def _ceil(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+# LSE (``return_lse=True``, every 2.2.0 function): the CUDA kernels scale by
+# sm_scale*log2(e) (e.g. qk_int_sv_f16_cuda_sm80.cu:92) and write log2(d) + m per query row
+# into a fresh fp32 [B, H, Sq] tensor (:657-666; sm89 .cuh:691-701; sm90 .cu:553-563) -- the
+# fp8 kernels' S_FP8_OFFSET shift (attn_utils.cuh:379) is inside both m and d and cancels.
+# core.py then returns ``lse / 1.44269504`` (natural log) and, with smooth_k, adds
+# ``q @ km^T * sm_scale`` computed in the input dtype (:287-291, :326-327 and the same lines
+# of each function). That correction is rounded to bf16, i.e. off by up to ~2**-9 of q.km,
+# differently per key chunk. kv_chunks therefore subtracts the full sequence's mean itself
+# and calls with smooth_k=False: the keys are quantised exactly as in the unchunked call and
+# the LSE carries no rounded correction (Envelope.lse_centred_k).
+
 # ------------------------------------------------------------- derived tensors
 def dense_like(t: TensorDesc) -> TensorDesc:
     """Strides of a dense tensor that keeps ``t``'s dimension order.
@@ -314,9 +325,11 @@ def _per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]
     terms = (
         _terms(k, "q", "bhs", "i32", f"{PT}:35")            # input_ptrs, caller's q
         + _terms(k, "q:alloc", "bhs", "i32", f"{PT}:36")    # q_int8 = torch.empty(q.shape) :155
-        # caller's k: read when smooth_k=False (direct calls only; sageattn always smooths).
-        # Kept as a conservative union with k_smooth below.
-        + _terms(k, "k", "bhs", "i32", f"{PT}:79")
+        # The caller's k is never indexed here: smooth_k (on in every SAGEATTN_CALL call, the
+        # functions' default) makes per_thread_int8 quantise `k - km` (:158-159), a fresh dense
+        # tensor (k_smooth below); kv_chunks' smooth_k=False calls get a dense centred copy,
+        # whose strides are k_smooth's. (Until issue 11 the caller's k was listed too, which
+        # made every strided H3 call past 99,865 copy k for nothing.)
         + _terms(k, "k:alloc", "bhs", "i32", f"{PT}:81")    # k_int8 :156
     )
     dterms = _dterms(k, "k_smooth", "bhs", "i32", f"{PT}:159")   # k = k - km, then :79-80
@@ -331,7 +344,7 @@ def _per_block_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]]
     terms = (
         _terms(k, "q", "bhs", "i32", f"{PB}:35")
         + _terms(k, "q:alloc", "bhs", "i32", f"{PB}:36")
-        + _terms(k, "k", "bhs", "i32", f"{PB}:35")          # smooth_k=False (direct calls)
+        # caller's k: not indexed, `k - km` is (quant_per_block.py:52-53; see _per_thread_triton)
         + _terms(k, "k:alloc", "bhs", "i32", f"{PB}:36")
     )
     dterms = _dterms(k, "k_smooth", "bhs", "i32", f"{PB}:54")
@@ -411,6 +424,7 @@ def _sm80_temp_bytes(call: AttnCall) -> int:
 _t, _d = _per_thread_triton()
 SAGE2_SM80 = register(Envelope(
     family="sage2_sm80",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),                   # dispatch_utils.h:23-34 (core.py:560-570 pads others)
     dtypes=("float16", "bfloat16"),        # core.py:541
@@ -441,6 +455,7 @@ def _sm86_temp_bytes(call: AttnCall) -> int:
 _t, _d = _per_block_triton()
 SAGE2_SM86_TRITON = register(Envelope(
     family="sage2_sm86_triton",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),                   # tl.arange(0, C) needs a power of two; core.py:260-269 pads
     dtypes=("float16", "bfloat16"),        # core.py:242
@@ -482,6 +497,7 @@ _FP8_ATTN_V = _dterms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:
 _t, _d = _per_thread_triton()
 SAGE2_SM89_FP8PV = register(Envelope(
     family="sage2_sm89_fp8pv",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:725
@@ -498,6 +514,7 @@ SAGE2_SM89_FP8PV = register(Envelope(
 _FP8_PERWARP_RULES = _v_fp8_dterms("v", "v_t") + _FP8_ATTN_V
 SAGE2_FP8PV_PERWARP = register(Envelope(
     family="sage2_fp8pv_perwarp",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -513,6 +530,7 @@ SAGE2_FP8PV_PERWARP = register(Envelope(
 
 SAGE2_SM120_FP8PV = register(Envelope(
     family="sage2_sm120_fp8pv",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -548,6 +566,7 @@ _SM90_INT_STRIDES = IntStrideRule(
 )
 SAGE2_SM90 = register(Envelope(
     family="sage2_sm90",
+    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:912

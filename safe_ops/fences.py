@@ -10,8 +10,8 @@ next allocation while that kernel still runs.
 A :class:`FenceBook` holds such tensors until an event recorded *after their
 last consumer* has completed. It never blocks on the hot path: completion is
 polled with ``event.query()`` on every new hold, and only :meth:`drain` (end of
-a model forward, or on demand) waits -- on each event, never with a
-device-wide synchronize.
+a sampling run, or on demand) and the caps (held count, held bytes) wait -- on
+each event, never with a device-wide synchronize.
 
 Events are created through an ``event_factory`` so tests can drive completion
 deterministically without a GPU.
@@ -56,6 +56,10 @@ class _Fence:
     label: str = ""
 
 
+# Held bytes above which hold() waits for the oldest fences (per event, never a device sync).
+DEFAULT_MAX_PENDING_BYTES = 4 * 2**30
+
+
 def _cuda_event_factory() -> Any:
     return torch.cuda.Event()
 
@@ -70,11 +74,12 @@ class FenceBook:
     """
 
     def __init__(self, event_factory: Callable[[], Any] | None = None,
-                 max_pending: int = 4096):
+                 max_pending: int = 4096, max_pending_bytes: int | None = DEFAULT_MAX_PENDING_BYTES):
         self._event_factory = event_factory or _cuda_event_factory
         self._fences: list[_Fence] = []
         self._lock = threading.Lock()
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.stats = FenceStats()
 
     # -- core -------------------------------------------------------------
@@ -116,11 +121,18 @@ class FenceBook:
             s.pending = len(self._fences)
             s.fenced_bytes += nbytes
             s.peak_fenced_bytes = max(s.peak_fenced_bytes, s.fenced_bytes)
-            overflow = len(self._fences) > self.max_pending
-        if overflow:
-            # Bounded memory even if nobody drains: wait for the oldest fence only.
+        # Bounded memory even if nobody drains: wait for the oldest fences (each on its own
+        # event) until both the count and the held bytes are under their caps.
+        while self._over_cap():
             self._wait_oldest()
         return event
+
+    def _over_cap(self) -> bool:
+        with self._lock:
+            if len(self._fences) <= 1:
+                return False         # the newest fence is always kept: its work was just enqueued
+            return (len(self._fences) > self.max_pending or
+                    (self.max_pending_bytes is not None and self.stats.fenced_bytes > self.max_pending_bytes))
 
     def poll(self) -> int:
         """Release every fence whose event has completed; returns how many were released."""

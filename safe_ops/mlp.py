@@ -21,7 +21,17 @@ This module has three layers:
   mode -- and gives it back through ``comfy.ops.uncast_bias_weight``;
   :func:`h3_mlp_forward` is the replacement forward;
 * :func:`install_h3_mlp_patches` puts that forward on every H3 ``MLP`` of a ModelPatcher
-  with ``add_object_patch``.
+  with ``add_object_patch`` -- only where ``MLP.forward`` is exactly that one line.
+
+``linear_input_act`` cannot simply be called per chunk: it casts fc2 (``cast_bias_weight``)
+on every call, i.e. once per chunk.  Its branches are therefore reproduced on a weight cast
+once, and tests/unit/test_mlp_comfy.py compares each with ComfyUI's own ``linear_input_act``
+on the same inputs: the eager ``_swiglu_eager`` + fc2 Linear forward (manual_cast, LoRA
+weight functions, fp8 mixed precision incl. ``_full_precision_mm``) and the INT8 fused
+SwiGLU.  Branches not reproduced run ComfyUI's unchunked MLP with a counted, logged reason
+(``MLP_STATS.fallbacks``): INT8 fc2 with ``_full_precision_mm`` (0dd9b154 and later ComfyUI
+differ there) and later ComfyUI's fp16-accumulation ``ck.fp16_linear`` (its kernel choice
+depends on the token count, so chunks would not give the unchunked numbers).
 
 Fencing.  Transient weight copies (cast buffers, dequantised / LoRA-patched weights) are
 used by every chunk's kernels; after the last chunk has been enqueued they are handed to
@@ -663,6 +673,10 @@ def _int8_fused_fc2_lease(fc2, h_dtype, device, stats, label) -> Lease | None:
             or getattr(w, "_layout_cls", None) != "TensorWiseINT8Layout"
             or getattr(getattr(w, "_params", None), "transposed", False)):
         return None
+    if getattr(fc2, "_full_precision_mm", False):
+        # 0dd9b154's linear_input_act still takes the fused INT8 path here; later ComfyUI takes
+        # the eager path instead. Which one this ComfyUI takes is not reproduced: its own MLP.
+        raise Unsupported("INT8 fc2 with full_precision_mm (linear_input_act's branch differs by ComfyUI version)")
     quant_ops = getattr(ops, "quant_ops", None)
     ck = getattr(quant_ops, "ck", None)
     layout = getattr(ops, "TensorWiseINT8Layout", None)
@@ -682,6 +696,41 @@ def _int8_fused_fc2_lease(fc2, h_dtype, device, stats, label) -> Lease | None:
         return ck.int8_linear(h, qdata, scale, bias, h.dtype, convrot=convrot,
                               convrot_groupsize=group, input_act="swiglu")
     return CallableLease(fn, transients=transients, release=release, label=label, fused_act=True)
+
+
+def swiglu_fc2_lease(fc2: torch.nn.Module, dtype: torch.dtype, device: torch.device, ffn: int,
+                     stats: MlpStats = MLP_STATS) -> Lease:
+    """``comfy.ops.linear_input_act(fc2, h, "swiglu")`` for one MLP call, fc2 cast once: the
+    INT8 path with SwiGLU fused into the input quantiser, else fc2's own Linear forward on
+    the eager SwiGLU (which :func:`run_chunked_mlp` applies per chunk).  Raises
+    :class:`Unsupported` where neither is reproduced exactly."""
+    lease = _int8_fused_fc2_lease(fc2, dtype, device, stats, "fc2")
+    if lease is None:
+        lease = comfy_linear_lease(fc2, torch.empty((1, ffn), dtype=dtype, device=device), stats, label="fc2")
+    return lease
+
+
+def _unmirrored_branch(ops, fc2, x: torch.Tensor) -> str | None:
+    """Why ComfyUI's ``linear_input_act`` would take a branch for ``fc2`` that the chunk loop
+    does not reproduce, or None.
+
+    Later ComfyUI (not 0dd9b154) runs fc2 through comfy-kitchen's fp16-accumulation GEMM
+    (``ck.fp16_linear``) when ``comfy.ops._fp16_linear_wanted(x)`` (fp16 CUDA activations with
+    fp16 accumulation enabled) and fc2's weight is neither quantised nor full-precision-mm.
+    That kernel picks its implementation by token count, so per-chunk calls would not give
+    the unchunked numbers: run ComfyUI's own MLP instead (counted, logged).
+    """
+    wanted = getattr(ops, "_fp16_linear_wanted", None)
+    if wanted is None:
+        return None
+    try:
+        fp16_gemm = bool(wanted(x))
+    except Exception as e:  # an unknown signature: do not guess which branch runs
+        return f"comfy.ops._fp16_linear_wanted failed ({type(e).__name__}: {e})"
+    if fp16_gemm and not _is_quantized(getattr(fc2, "weight", None)) \
+            and not getattr(fc2, "_full_precision_mm", False):
+        return "fp16 accumulation: ComfyUI's linear_input_act uses comfy-kitchen fp16_linear (not reproduced per chunk)"
+    return None
 
 
 def _mlp_dims(module) -> tuple[int, int]:
@@ -716,8 +765,13 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
         with _STATS_LOCK:
             stats.passthrough += 1
         return _unpatched(module, x)
-    if getattr(_comfy_ops(), "linear_input_act", None) is None:
+    ops = _comfy_ops()
+    if getattr(ops, "linear_input_act", None) is None:
         stats.fallback("comfy.ops.linear_input_act missing")
+        return _unpatched(module, x)
+    why = _unmirrored_branch(ops, module.fc2, x)
+    if why is not None:
+        stats.fallback(why)
         return _unpatched(module, x)
 
     x2, lead = _flatten_tokens(x)
@@ -725,11 +779,8 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
     fc1 = fc2 = None
     try:
         fc1 = comfy_linear_lease(module.fc1, sample, stats, label="fc1")
-        fc2 = _int8_fused_fc2_lease(module.fc2, x.dtype, x.device, stats, "fc2")
-        if fc2 is None:
-            # fc1's output (the fc2 input) has x's dtype in every path reproduced here
-            fc2 = comfy_linear_lease(module.fc2, torch.empty((1, ffn), dtype=x.dtype, device=x.device),
-                                     stats, label="fc2")
+        # fc1's output (the fc2 input) has x's dtype in every path reproduced here
+        fc2 = swiglu_fc2_lease(module.fc2, x.dtype, x.device, ffn, stats)
     except Unsupported as e:
         for lease in (fc1, fc2):
             if lease is not None:
@@ -784,6 +835,25 @@ class H3ChunkedMLPForward:
 
     def __repr__(self):
         return f"H3ChunkedMLPForward({self.path}, chunk={self.chunk_setting!r})"
+
+
+# The one-line MLP.forward that h3_mlp_forward reproduces (0dd9b154's comfy/ldm/minimax/model.py),
+# compiled by this Python, so it compares like for like. Never called (``comfy`` is deliberately
+# not imported here); no docstring, because a docstring would be part of its co_consts.
+def _mirrored_forward(self, x):  # pragma: no cover
+    return comfy.ops.linear_input_act(self.fc2, self.fc1(x), 'swiglu')  # noqa: F821
+
+
+_MIRRORED_FORWARD = _mirrored_forward.__code__
+
+
+def _forward_is_mirrored(cls: type) -> bool:
+    """True when ``cls.forward`` compiles to exactly that form (a later ComfyUI that adds a
+    residual, a norm, another activation or a docstring is not patched)."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
+    ref = _MIRRORED_FORWARD
+    return (code is not None and code.co_code == ref.co_code and code.co_names == ref.co_names
+            and code.co_varnames == ref.co_varnames and code.co_consts == ref.co_consts)
 
 
 def _is_h3_mlp(m: Any) -> bool:
@@ -847,6 +917,11 @@ def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
         result["conflicts"].append({"key": f"{H3_MODEL_MODULE}.{H3_MLP_CLASS}.forward", "kind": "class_forward",
                                     "existing": repr(cls_fwd)[:200]})
         result["skipped"] = "MLP.forward replaced on the class by another pack"
+        return result
+    if setting != "off" and not _forward_is_mirrored(type(mlps[0][1])):
+        result["skipped"] = ("this ComfyUI's MiniMax H3 MLP.forward is not the "
+                             "linear_input_act(fc2, fc1(x), 'swiglu') form SafeSage reproduces")
+        log.warning("SafeSage MLP: H3 MLPs not patched: %s", result["skipped"])
         return result
 
     for path, module in mlps:

@@ -16,7 +16,7 @@ from .attention import SafeAttention
 from .fences import GLOBAL_FENCES
 from .mlp import install_h3_mlp_patches
 from .policy import Policy
-from .runtime import kernel_table, runtime
+from .runtime import explain_auto, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -28,13 +28,27 @@ class SafeSageError(RuntimeError):
     """A choice on the node that cannot be honoured here; the message says what to do."""
 
 
-def _drain_wrapper(executor, *args, **kwargs):
-    """DIFFUSION_MODEL wrapper: run the forward, then release every fence it left."""
+def _poll_wrapper(executor, *args, **kwargs):
+    """DIFFUSION_MODEL wrapper: run the forward, then release the fences whose work is done."""
     try:
         return executor(*args, **kwargs)
     finally:
         GLOBAL_FENCES.poll()
         report.count("forwards")
+
+
+def _drain_wrapper(executor, *args, **kwargs):
+    """OUTER_SAMPLE wrapper: run the sampling, then wait for and release every fence, so no
+    memory held for a kernel outlives the run (also when sampling raised)."""
+    try:
+        return executor(*args, **kwargs)
+    finally:
+        GLOBAL_FENCES.drain()
+        report.count("sampling_runs")
+
+
+# wrapper type (name in comfy.patcher_extension.WrappersMP) -> wrapper
+WRAPPERS = {"DIFFUSION_MODEL": _poll_wrapper, "OUTER_SAMPLE": _drain_wrapper}
 
 
 def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, dict]:
@@ -57,18 +71,26 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     attn = SafeAttention(policy, fences=GLOBAL_FENCES, rt=rt)
     to[OVERRIDE_KEY] = attn
 
-    # Drain fences at the end of every diffusion-model forward (idempotent under a fixed key).
+    # Poll fences after every diffusion-model forward and drain them when sampling ends
+    # (idempotent: removed, then added under a fixed key).
     wrappers_mp = None
     try:
         from comfy.patcher_extension import WrappersMP as wrappers_mp  # type: ignore
     except Exception:
         pass
+    installed = []
     if wrappers_mp is not None and hasattr(m, "add_wrapper_with_key"):
-        if hasattr(m, "remove_wrappers_with_key"):
-            m.remove_wrappers_with_key(wrappers_mp.DIFFUSION_MODEL, WRAPPER_KEY)
-        m.add_wrapper_with_key(wrappers_mp.DIFFUSION_MODEL, WRAPPER_KEY, _drain_wrapper)
-    else:
-        warnings.append("this ComfyUI has no DIFFUSION_MODEL wrapper; fences are released by polling only")
+        for name, fn in WRAPPERS.items():
+            wtype = getattr(wrappers_mp, name, None)
+            if wtype is None:
+                continue
+            if hasattr(m, "remove_wrappers_with_key"):
+                m.remove_wrappers_with_key(wtype, WRAPPER_KEY)
+            m.add_wrapper_with_key(wtype, WRAPPER_KEY, fn)
+            installed.append(name)
+    if "OUTER_SAMPLE" not in installed:
+        warnings.append("this ComfyUI has no OUTER_SAMPLE wrapper; fences are released by polling and "
+                        "their count/byte caps only")
 
     # Always called: with "off" it removes MLP patches an earlier SafeSage node left on this model.
     setting: Any = policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking
@@ -80,11 +102,10 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         warnings.append(f"MLP patch conflict: {c}")
     report.set_info("mlp_patched", mlp_summary.get("patched", 0))
 
-    cand = attn.candidates(None, comfy_wants_sage=_comfy_uses_sage())
-    lines.append(f"kernel policy '{policy.kernel}': preference {' > '.join(cand)}"
-                 + ("" if rt.arch is None or policy.kernel != "auto" else
-                    " (from the measured table)" if rt.arch_name in _measured_archs() else
-                    " (GPU not in the measured table: follows ComfyUI's own attention choice)"))
+    # ComfyUI's own choice (--use-sage-attention / --use-ck-attention) read from its flags
+    cand = attn.candidates(None)
+    lines.append(f"kernel policy '{policy.kernel}': preference {' > '.join(cand)}")
+    lines.append(explain_auto(rt, [f for f in attn.kernels if f != "sdpa"], None, policy.kernel))
     if rt.sage_family is None and policy.kernel == "auto":
         lines.append(f"SageAttention not used: {rt.sage_error}; attention runs on PyTorch SDPA")
     lines.append(f"verify: {policy.verify}; debug_sync: {'on' if policy.debug_sync else 'off'}")
@@ -99,18 +120,3 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     log.info("%s", text)
     return m, {"text": text, "runtime": rt.summary(), "candidates": cand, "mlp": mlp_summary,
                "warnings": warnings}
-
-
-def _comfy_uses_sage() -> bool:
-    """Whether ComfyUI was started with --use-sage-attention (False outside ComfyUI)."""
-    import sys
-    mm = sys.modules.get("comfy.model_management")
-    fn = getattr(mm, "sage_attention_enabled", None)
-    try:
-        return bool(fn()) if callable(fn) else False
-    except Exception:
-        return False
-
-
-def _measured_archs() -> set:
-    return set(kernel_table().get("archs", {}))

@@ -10,10 +10,14 @@ transformations that keep results identical to an in-envelope run --
 * ``head_groups``   launch per group of heads (each group's tensors repacked or
                     as views), writing into one preallocated output;
 * ``query_chunks``  launch per slice of query tokens (keys/values whole);
+* ``kv_chunks``     launch per slice of key/value tokens and merge the partial outputs
+                    exactly by their log-sum-exp (kernels whose envelope says
+                    ``returns_lse``); combines with head groups and query chunks;
 
-checks each candidate's sub-calls against the envelope, drops those over the
-budget, and keeps the cheapest by a simple cost model (bytes moved plus a
-per-launch overhead). When none fits it returns ``None`` and the caller falls
+checks each candidate's sub-calls against the envelope, drops those whose memory
+(copies, merge accumulator *and* the kernel's own temporaries of one launch) is
+over the budget, and keeps the cheapest by a simple cost model (bytes moved plus
+a per-launch overhead). When none fits it returns ``None`` and the caller falls
 back to another kernel (SDPA last).
 """
 from __future__ import annotations
@@ -28,6 +32,12 @@ from .envelope import AttnCall, Envelope, TensorDesc, check
 COPY_BYTES_PER_US = 2.0e6         # ~2 TB/s effective for strided copies
 LAUNCH_US = 25.0                  # sage launches 2-3 kernels per call
 MIN_Q_CHUNK = 1024                # below this, per-launch overhead dominates: prefer another plan
+KV_ALIGN = 128                    # key chunks are multiples of this (sage's K tiles and sm90's V pad)
+MIN_KV_CHUNK = 4096               # smaller key chunks: re-quantising q per chunk dominates
+# Rules that moving data can fix: index products (copies, groups, chunks) and key-length
+# rules (key/value chunks, only for kernels that return their LSE).
+SOFT_RULES = ("index",)
+SOFT_RULES_LSE = ("index", "length")
 # A copy that changes memory order vs one that keeps it. On the H200 the two repacks of H3's
 # views timed the same end to end (bench/results/attention_h200.json, other_layout_repack_ms),
 # so this only breaks the tie -- toward NHD for H3, whose [B,S,H*D] output is then a free view.
@@ -36,7 +46,7 @@ TRANSPOSE_COPY_FACTOR = 2.0
 
 @dataclass(frozen=True)
 class Plan:
-    kind: str                      # direct | repack | head_groups | query_chunks | sdpa
+    kind: str                      # direct | repack | head_groups | query_chunks | kv_chunks | sdpa
     kernel: str                    # envelope family that runs
     layout: str                    # tensor_layout handed to the kernel
     repack: tuple[str, ...] = ()   # which of q/k/v are copied, contiguous in `layout`
@@ -47,6 +57,12 @@ class Plan:
     cost_us: float = 0.0           # predicted extra device time vs a direct call
     reasons: tuple[str, ...] = ()  # why not direct (violations of the kernel that was asked)
     kernel_temp_bytes: int = 0     # what one launch allocates itself (quantised copies, output), if known
+    kv_chunk: int = 0              # key/value tokens per launch (0 = all), merged by log-sum-exp
+
+    @property
+    def peak_bytes(self) -> int:
+        """What the plan needs beyond the caller's tensors and the result: the budgeted number."""
+        return self.extra_bytes + self.kernel_temp_bytes
 
     def describe(self, reasons: bool = True) -> str:
         parts = [f"{self.kind} on {self.kernel} ({self.layout})"]
@@ -56,6 +72,8 @@ class Plan:
             parts.append(f"{self.head_group} heads per launch")
         if self.q_chunk:
             parts.append(f"{self.q_chunk:,} query tokens per launch")
+        if self.kv_chunk:
+            parts.append(f"{self.kv_chunk:,} key tokens per launch merged by log-sum-exp")
         parts.append(f"{self.launches} launch(es), +{self.extra_bytes / 2**20:.1f} MiB, ~+{self.cost_us:.0f} us")
         if self.kernel_temp_bytes:
             parts.append(f"kernel temporaries {self.kernel_temp_bytes / 2**20:.0f} MiB per launch")
@@ -67,8 +85,10 @@ class Plan:
     __str__ = describe
 
 
-def _sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], layout: str) -> AttnCall:
+def _sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], layout: str,
+              kv_len: int | None = None) -> AttnCall:
     """The call one launch of a plan makes (worst-case group/chunk)."""
+    kv_len = call.kv_len if kv_len is None else kv_len
     groups = max(call.heads // max(call.kv_heads, 1), 1)
     kv_heads = max(heads // groups, 1)
 
@@ -79,8 +99,8 @@ def _sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], l
             return TensorDesc.contiguous(shape, layout)   # copied into the kernel's layout
         return TensorDesc(shape, src.stride)      # a view into the caller's tensor
 
-    return replace(call, q=desc("q", heads, q_len), k=desc("k", kv_heads, call.kv_len),
-                   v=desc("v", kv_heads, call.kv_len), layout=layout)
+    return replace(call, q=desc("q", heads, q_len), k=desc("k", kv_heads, kv_len),
+                   v=desc("v", kv_heads, kv_len), layout=layout)
 
 
 def _nbytes(desc: TensorDesc, elt: int) -> int:
@@ -108,40 +128,76 @@ def _largest_fitting(lo: int, hi: int, ok) -> int:
 
 def plan_for(call: AttnCall, env: Envelope, budget_bytes: int | None = None,
              caller_layout: str | None = None) -> Plan | None:
-    """Cheapest plan of ``env``'s kernel that is inside the envelope, or None."""
+    """Cheapest plan of ``env``'s kernel that is inside the envelope and the budget, or None.
+
+    The budget covers :attr:`Plan.peak_bytes`: the plan's own copies and merge state plus the
+    temporaries the kernel allocates in one launch (``Envelope.temp_bytes``).
+    """
     caller_layout = caller_layout or call.layout
     direct = replace(call, layout=caller_layout)
     viol = check(direct, env)
-    if not viol:
-        return Plan("direct", env.family, caller_layout, kernel_temp_bytes=_temp(env, direct))
-    # Shape/dtype/device/mask rules cannot be fixed by moving data around.
-    hard = [v for v in viol if v.rule not in ("index",)]
-    if hard:
-        return None
-    reasons = tuple(str(v) for v in viol)
-    elt = call.elt_bytes
     budget = float("inf") if budget_bytes is None else budget_bytes
+    if not viol:
+        plan = Plan("direct", env.family, caller_layout, kernel_temp_bytes=_temp(env, direct))
+        if plan.peak_bytes <= budget:
+            return plan
+    # Shape/dtype/device/mask rules cannot be fixed by moving data around.
+    soft = SOFT_RULES_LSE if env.returns_lse else SOFT_RULES
+    if any(v.rule not in soft for v in viol):
+        return None
+    reasons = tuple(str(v) for v in viol) or (
+        f"kernel temporaries {_temp(env, direct) / 2**20:,.0f} MiB over the "
+        f"{budget / 2**20:,.0f} MiB budget",)
+    elt = call.elt_bytes
     best: Plan | None = None
 
     for r in range(0, 4):
         for repack, layout in _repack_options(r, caller_layout):
             for g in _candidates_g(call):
-                # largest query chunk that fits for this (repack, g)
-                def fits(qc: int, g=g, repack=repack, layout=layout) -> bool:
-                    return not check(_sub_call(call, g, qc, repack, layout), env)
-                qc_max = call.q_len if fits(call.q_len) else _largest_fitting(1, call.q_len, fits)
-                # try the largest fitting chunk first, then halve it while over budget
-                qc = qc_max
-                while qc > 0:
-                    plan = _priced(call, env, repack, layout, g, qc, elt, reasons)
-                    if plan.extra_bytes <= budget:
-                        if best is None or (plan.cost_us, plan.extra_bytes) < (best.cost_us, best.extra_bytes):
-                            best = plan
-                        break
-                    if qc <= MIN_Q_CHUNK:
-                        break
-                    qc = max(qc // 2, MIN_Q_CHUNK)
+                for kc in _kv_chunk_options(call, env, g, repack, layout):
+                    # largest query chunk that fits for this (repack, g, kc)
+                    def fits(qc: int, g=g, repack=repack, layout=layout, kc=kc) -> bool:
+                        return not check(_sub_call(call, g, qc, repack, layout, kc), env)
+                    qc_max = call.q_len if fits(call.q_len) else _largest_fitting(1, call.q_len, fits)
+                    # try the largest fitting chunk first, then halve it while over budget
+                    qc = qc_max
+                    while qc > 0:
+                        plan = _priced(call, env, repack, layout, g, qc, elt, reasons, kc)
+                        if plan.peak_bytes <= budget:
+                            if best is None or (plan.cost_us, plan.peak_bytes) < (best.cost_us, best.peak_bytes):
+                                best = plan
+                            break
+                        if qc <= MIN_Q_CHUNK:
+                            break
+                        qc = max(qc // 2, MIN_Q_CHUNK)
     return best
+
+
+def _kv_chunk_options(call: AttnCall, env: Envelope, g: int, repack: tuple[str, ...], layout: str) -> list[int]:
+    """Key/value chunk lengths worth pricing for (g, repack, layout): all keys, and -- for a
+    kernel that returns its LSE -- equal chunks (multiples of KV_ALIGN) no longer than the
+    longest that keeps the key side inside the envelope, and half that (less memory)."""
+    opts = [call.kv_len]
+    if not env.returns_lse or call.kv_len <= MIN_KV_CHUNK:
+        return opts
+    if env.lse_centred_k and "k" not in repack:
+        return opts          # the centred key chunk is a copy: only plans that copy k
+    q1 = min(call.q_len, KV_ALIGN)
+
+    def fits(kc: int) -> bool:
+        return not check(_sub_call(call, g, q1, repack, layout, kc * KV_ALIGN), env)
+
+    longest = _largest_fitting(1, -(-call.kv_len // KV_ALIGN), fits) * KV_ALIGN
+    if longest < MIN_KV_CHUNK:
+        return opts
+    for n in (-(-call.kv_len // longest), 2 * -(-call.kv_len // longest)):
+        if n < 2:
+            continue
+        kc = -(-call.kv_len // n)
+        kc = min(-(-kc // KV_ALIGN) * KV_ALIGN, longest)
+        if MIN_KV_CHUNK <= kc < call.kv_len and kc not in opts:
+            opts.append(kc)
+    return opts
 
 
 def _repack_options(r: int, caller_layout: str):
@@ -160,30 +216,43 @@ def _copy_factor(src: TensorDesc, layout: str) -> float:
 
 
 def _priced(call: AttnCall, env: Envelope, repack: tuple[str, ...], layout: str, g: int, qc: int,
-            elt: int, reasons: tuple[str, ...]) -> Plan:
-    """The plan launching ``g`` heads x ``qc`` query tokens at a time, with its bytes and cost."""
+            elt: int, reasons: tuple[str, ...], kc: int = 0) -> Plan:
+    """The plan launching ``g`` heads x ``qc`` query tokens x ``kc`` keys at a time, priced."""
+    kc = kc or call.kv_len
     n_groups = -(-call.heads // g)
     n_chunks = -(-call.q_len // qc)
-    launches = n_groups * n_chunks
-    split = launches > 1
-    # Repacked slices live one launch at a time (group x chunk for q, group for k/v);
-    # a split plan writes each launch's own output into one preallocated result,
+    n_kv = -(-call.kv_len // kc)
+    launches = n_groups * n_chunks * n_kv
+    split = n_groups * n_chunks > 1 or n_kv > 1
+    # Repacked slices live one launch at a time (group x chunk for q, group (x key chunk)
+    # for k/v); a split plan writes each block's result into one preallocated output,
     # which takes the place of the kernel's output in a direct call.
-    sub = _sub_call(call, g, qc, repack, layout)
+    sub = _sub_call(call, g, qc, repack, layout, kc)
     extra = sum(_nbytes(getattr(sub, n), elt) for n in repack)
     if split:
         extra += _nbytes(sub.q, elt)
     copy_bytes = 0
     for n in repack:                                       # each element copied once
         copy_bytes += 2 * _nbytes(getattr(call, n), elt) * _copy_factor(getattr(call, n), layout)
-    if split:
+    if n_kv > 1:
+        # key chunks are re-made (centred copies) for every query chunk
+        copy_bytes += (n_chunks - 1) * 2 * _nbytes(call.k, elt) * ("k" in repack)
+        # running fp32 accumulator of one (group x query chunk) block, its LSE and the
+        # chunk's LSE / merge weights
+        extra += 4 * sub.q.numel + 4 * 4 * sub.q.shape[0] * sub.q.shape[1] * sub.q.shape[2]
+        # q re-quantised per key chunk; merge reads each chunk's output and reads+writes
+        # the accumulator, then writes the result once
+        copy_bytes += (n_kv - 1) * 2 * _nbytes(call.q, elt)
+        copy_bytes += call.q.numel * (n_kv * (elt + 8) + 4 + elt)
+    elif split:
         copy_bytes += 2 * _nbytes(call.q, elt)             # launch outputs into the result
     copy_bytes += (n_chunks - 1) * 2 * _nbytes(call.k, elt)  # k re-quantised per query chunk
     cost = copy_bytes / COPY_BYTES_PER_US + (launches - 1) * LAUNCH_US
-    kind = ("head_groups" if n_groups > 1 else "query_chunks" if n_chunks > 1
-            else "repack" if repack else "direct")
+    kind = ("kv_chunks" if n_kv > 1 else "head_groups" if n_groups > 1 else
+            "query_chunks" if n_chunks > 1 else "repack" if repack else "direct")
     return Plan(kind, env.family, layout, tuple(repack), g if n_groups > 1 else 0,
-                qc if n_chunks > 1 else 0, launches, extra, cost, reasons, _temp(env, sub))
+                qc if n_chunks > 1 else 0, launches, extra, cost, reasons, _temp(env, sub),
+                kc if n_kv > 1 else 0)
 
 
 def _temp(env: Envelope, call: AttnCall) -> int:
@@ -208,7 +277,8 @@ def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None =
         if plan is not None:
             return plan
         viol = check(call, env)
-        hard = [str(v) for v in viol if v.rule != "index"]
+        soft = SOFT_RULES_LSE if env.returns_lse else SOFT_RULES
+        hard = [str(v) for v in viol if v.rule not in soft]
         why = "; ".join(hard) or f"no plan within {budget_bytes} extra bytes: " + "; ".join(map(str, viol))
         reasons.append(f"{env.family}: {why}")
     return sdpa_plan(call, tuple(reasons))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import json
 import os
 import sys
@@ -31,6 +32,9 @@ class Runtime:
     dynamic_vram: bool | None               # ComfyUI dynamic VRAM (comfy-aimdo) active
     comfy_version: str | None
     hook_points: dict = field(default_factory=dict)
+    ck_version: str | None = None           # installed comfy-kitchen distribution
+    ck_family: str | None = None            # envelope family of its int8_attention here
+    ck_error: str | None = None             # why comfy-kitchen attention is unusable, if it is
 
     @property
     def arch_name(self) -> str:
@@ -41,7 +45,9 @@ class Runtime:
                 else f"sageattention unavailable ({self.sage_error})")
         dev = f"{self.device_name} ({self.arch_name})" if self.arch else "no CUDA device"
         dyn = {True: "on", False: "off", None: "unknown"}[self.dynamic_vram]
-        return (f"{dev}; torch {self.torch_version} CUDA {self.cuda_version}; {sage}; "
+        ck = (f"comfy-kitchen {self.ck_version} -> {self.ck_family}" if self.ck_family
+              else f"comfy-kitchen attention unavailable ({self.ck_error})")
+        return (f"{dev}; torch {self.torch_version} CUDA {self.cuda_version}; {sage}; {ck}; "
                 f"allocator {self.allocator_backend}; dynamic VRAM {dyn}; ComfyUI {self.comfy_version}")
 
 
@@ -115,8 +121,38 @@ def runtime() -> Runtime:
         except Exception as e:  # broken wheel, CUDA mismatch
             sage_error = f"import failed: {type(e).__name__}: {e}"
     dyn, cver, hooks = _comfy_facts()
+    ck_version, ck_family, ck_error = _ck_facts(arch)
     return Runtime(torch.__version__, torch.version.cuda, name, arch, sage_version, family,
-                   sage_error, backend, dyn, cver, hooks)
+                   sage_error, backend, dyn, cver, hooks, ck_version, ck_family, ck_error)
+
+
+def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str | None]:
+    """comfy-kitchen's version, the envelope family of its int8_attention, or why not usable."""
+    version = _dist_version("comfy-kitchen")
+    from .envelope_ck import ck_family_for
+    if version is None:
+        # importable without package metadata (a bare PYTHONPATH copy): version unknown,
+        # so the conservative (0.2.29-0.2.39) envelope
+        if "comfy_kitchen" not in sys.modules and importlib.util.find_spec("comfy_kitchen") is None:
+            return None, None, "package not installed"
+        family = "ck_int8_pre240"
+        version = "unknown"
+    else:
+        family = ck_family_for(version)
+    if family is None:
+        return version, None, f"comfy-kitchen {version} has no int8_attention (needs >= 0.2.29)"
+    if arch is None:
+        return version, None, "no CUDA device"
+    try:
+        import comfy_kitchen
+        if not hasattr(comfy_kitchen, "int8_attention"):
+            return version, None, "comfy_kitchen.int8_attention missing"
+        ok = getattr(comfy_kitchen, "int8_attention_is_available", lambda *a: True)()
+        if not ok:
+            return version, None, "int8_attention not available on this GPU/build"
+    except Exception as e:  # broken wheel, CUDA mismatch
+        return version, None, f"import failed: {type(e).__name__}: {e}"
+    return version, family, None
 
 
 @functools.lru_cache(maxsize=1)
@@ -129,14 +165,112 @@ def kernel_table() -> dict:
         return {}
 
 
+# Families that run the same kernel and differ only in their (version-dependent) envelope
+# share one measured number: comfy-kitchen 0.2.29-0.2.39 and 0.2.40 (or a copy without
+# package metadata, which gets the conservative envelope) time the same int8_attention.
+TABLE_ALIAS = {"ck_int8_pre240": "ck_int8"}
+
+
+def measured_tflops(arch_name: str) -> dict:
+    """Measured TFLOP/s per family on ``arch_name`` (aliases filled in); {} when unmeasured."""
+    tflops = dict(kernel_table().get("archs", {}).get(arch_name, {}).get("tflops", {}))
+    for alias, name in TABLE_ALIAS.items():
+        if alias in tflops or name in tflops:
+            tflops.setdefault(name, tflops.get(alias))
+            tflops.setdefault(alias, tflops[name])
+    return tflops
+
+
 def measured_order(arch_name: str, families: list[str]) -> list[str] | None:
     """Families sorted fastest first by the measured table, or None if this arch is unmeasured."""
-    entry = kernel_table().get("archs", {}).get(arch_name)
-    if not entry:
+    tflops = measured_tflops(arch_name)
+    if not tflops:
         return None
-    tflops = entry.get("tflops", {})
     known = [f for f in families if f in tflops]
     if not known:
         return None
     known.sort(key=lambda f: -tflops[f])
     return known + [f for f in families if f not in tflops]
+
+
+# ------------------------------------------------------------------ auto's order
+def comfy_attention_choice(func_name: str | None = None) -> str | None:
+    """What ComfyUI itself was configured to run: "sage", "ck" (comfy-kitchen int8) or None
+    (PyTorch/other). From the name of the attention function ComfyUI handed to the override
+    (``attention_sage``, ``attention_comfy_kitchen_int8``) when given, else from ComfyUI's
+    flags if ComfyUI is loaded (``--use-sage-attention``, ``--use-ck-attention``)."""
+    if func_name is not None:
+        if "sage" in func_name:
+            return "sage"
+        if "kitchen" in func_name:
+            return "ck"
+        return None
+    mm = sys.modules.get("comfy.model_management")
+    fn = getattr(mm, "sage_attention_enabled", None)
+    try:
+        if callable(fn) and fn():
+            return "sage"
+    except Exception:
+        pass
+    cli = sys.modules.get("comfy.cli_args")
+    if cli is not None and getattr(getattr(cli, "args", None), "use_ck_attention", False):
+        return "ck"
+    return None
+
+
+def _kind(family: str) -> str:
+    return "ck" if family.startswith("ck_") else "sdpa" if family == "sdpa" else "sage"
+
+
+def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) -> tuple[list[str], str]:
+    """``auto``'s preference over ``families`` (installed, non-SDPA) plus "sdpa", and why.
+
+    Measured GPU (kernel_table.json): fastest first by measured TFLOP/s; families with no
+    number follow. Unmeasured GPU: what ComfyUI was configured to run first, then SDPA; a
+    family ComfyUI was not configured for comes after SDPA (never used by ``auto``)."""
+    order = measured_order(arch_name, families + ["sdpa"])
+    if order is not None:
+        tflops = measured_tflops(arch_name)
+        first = order[0]
+        rest = ", ".join(f"{f} {tflops[f]:.0f}" for f in order[1:] if f in tflops)
+        unmeasured = [f for f in order if f not in tflops]
+        why = (f"it measured fastest on {arch_name} ({tflops[first]:.0f} TFLOP/s"
+               + (f"; {rest}" if rest else "")
+               + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
+               + "; safe_ops/kernel_table.json)")
+        return order, why
+    wanted = [f for f in families if comfy_choice is not None and _kind(f) == comfy_choice]
+    others = [f for f in families if f not in wanted]
+    if wanted:
+        flag = {"sage": "--use-sage-attention", "ck": "--use-ck-attention"}[comfy_choice]
+        return wanted + ["sdpa"] + others, (
+            f"{arch_name} has no measurement here and ComfyUI is set to run it ({flag})")
+    if comfy_choice is not None:
+        return ["sdpa"] + families, (f"{arch_name} has no measurement here and the kernel ComfyUI is set to "
+                                     f"run ({comfy_choice}) is not usable here")
+    return ["sdpa"] + families, (f"{arch_name} has no measurement here and ComfyUI runs PyTorch attention "
+                                 "(start ComfyUI with --use-sage-attention or --use-ck-attention to prefer those)")
+
+
+def explain_auto(rt: Runtime, families: list[str], comfy_choice: str | None = None,
+                 kernel_policy: str = "auto") -> str:
+    """One plain-language line for the node's status: which kernel ``auto`` prefers and why.
+
+    ``families``: the installed non-SDPA families (e.g. ``SafeAttention.kernels`` minus sdpa).
+    Per call, the planner still falls back down the order when a kernel cannot run a call
+    safely (those fallbacks are counted and logged separately)."""
+    if kernel_policy == "sdpa":
+        return "kernel 'sdpa': PyTorch SDPA for every call, as asked"
+    if kernel_policy == "sage":
+        if not families:
+            return (f"kernel 'sage' asked, but no sage kernel is usable ({rt.sage_error}); "
+                    "every call runs PyTorch SDPA")
+        return f"kernel 'sage': {families[0]} first, as asked (SDPA only for calls it cannot run safely)"
+    if not families:
+        return (f"auto picked PyTorch SDPA because no sage-family kernel is usable here "
+                f"(sageattention: {rt.sage_error}; comfy-kitchen: {rt.ck_error})")
+    if comfy_choice is None:
+        comfy_choice = comfy_attention_choice()
+    order, why = auto_order(rt.arch_name, families, comfy_choice)
+    name = "PyTorch SDPA" if order[0] == "sdpa" else order[0]
+    return f"auto picked {name} because {why}"

@@ -50,7 +50,7 @@ def tiny_sd2(comfy):
 def tiny_h3(comfy):
     if not has_minimax_h3():
         pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the H3 tests "
-                    "need a ComfyUI with H3 (0dd9b154 or later): COMFYUI_PATH=<that tree> bash .ci/run"
+                    "need a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs them in its 0dd9b154 pass"
                     % os.environ.get("COMFYUI_PATH"))
     return comfy.make_model("h3", "safesage_tiny_h3_fp8.safetensors", seed=4321)
 

@@ -61,15 +61,14 @@ def test_h3_fp8_same_latent_mlps_patched_attention_counted(comfy, tiny_h3, seed_
     assert after.get("mlp_patched") == n_mlps, after
     calls = stats_delta(before, after, "attention_calls")
     assert calls == tiny_h3["blocks"] * steps, (calls, after)
-    if "forwards" in after:
-        assert stats_delta(before, after, "forwards") == steps
+    assert stats_delta(before, after, "forwards") == steps, after
     plan_calls = sum(stats_delta(before, after, k) for k in after if k.startswith("plan:"))
     assert plan_calls == calls, after
-    if isinstance(after.get("mlp"), dict):
-        # the patched DiT-block MLPs really ran, chunked, once per forward each (the refiner's
-        # MLP sees only the 2 text tokens: below one chunk)
-        assert stats_delta(before, after, "mlp.chunked_calls") == tiny_h3["blocks"] * steps, after["mlp"]
-        assert stats_delta(before, after, "mlp.chunks") >= 2 * tiny_h3["blocks"] * steps, after["mlp"]
+    # the patched DiT-block MLPs really ran, chunked, once per forward each (the refiner's
+    # MLP sees only the 2 text tokens: below one chunk), and none fell back to ComfyUI's MLP
+    assert stats_delta(before, after, "mlp.chunked_calls") == tiny_h3["blocks"] * steps, after["mlp"]
+    assert stats_delta(before, after, "mlp.chunks") >= 2 * tiny_h3["blocks"] * steps, after["mlp"]
+    assert after["mlp"]["fallbacks"] == before["mlp"]["fallbacks"], after["mlp"]
 
 
 def test_h3_mlp_chunking_off_patches_no_mlp(comfy, tiny_h3, seed_counter):
@@ -79,3 +78,4 @@ def test_h3_mlp_chunking_off_patches_no_mlp(comfy, tiny_h3, seed_counter):
         assert max_rel_diff(q, p) <= REL_TOL
     assert after.get("mlp_patched") == 0, after
     assert stats_delta(before, after, "attention_calls") == tiny_h3["blocks"]
+    assert stats_delta(before, after, "mlp.calls") == 0, "no MLP went through SafeSage's forward"

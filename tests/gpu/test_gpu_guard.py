@@ -1,6 +1,8 @@
 """Real sageattention on MiniMax H3's strided views (H200). Skipped without CUDA + sage.
 
 Run on the GPU machine: python -m pytest tests/gpu -v -rs
+(``SAFESAGE_BENCH_FAMILY=sage2_fp8pv_perwarp`` runs them on that sage 2.2 family: the
+sm_120 dispatch; by default the family ``sageattn`` runs on this GPU.)
 """
 import os
 import sys
@@ -25,9 +27,17 @@ def _fresh():
     yield
 
 
+def first_unsafe_strided() -> int:
+    """The first H3 length whose strided call leaves the family's envelope (index rules)."""
+    from safe_ops.envelope_sage2 import first_unsafe
+    from safe_ops.preflight import h3_attention_call
+    env = ga.sage_kern().envelope
+    return first_unsafe(env, lambda n: h3_attention_call(n, arch="sm_90"), 1024, 700_000, rules=("index",))
+
+
 @pytest.mark.parametrize("stream", ["default", "side"])
 def test_guarded_strided_past_int32_boundary(stream):
-    S = 99_866
+    S = first_unsafe_strided()
     q, k, v = ga.h3_qkv(S, "strided")
     ref = ga.sdpa(q, k, v)
     inlimit = ga.rel_l2(ga.raw_sage(q.contiguous(), k.contiguous(), v.contiguous()), ref)
@@ -38,20 +48,21 @@ def test_guarded_strided_past_int32_boundary(stream):
         o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
     torch.cuda.current_stream().wait_stream(st)
     torch.cuda.synchronize()
-    assert report.STATS["plan:repack"] == 1
+    assert report.STATS["plan:direct"] == 0 and report.STATS["plan:sdpa"] == 0
     err = ga.rel_l2(o, ref)
     assert err <= inlimit * 1.05 + 1e-4, (err, inlimit)
 
 
 def test_unguarded_call_faults_or_is_wrong_in_a_subprocess():
-    r = ga.run_child(99_866, "strided")
+    # 1,024 rows past the first unsafe length: a wrap that lands on mapped memory corrupts
+    # those rows silently (tail_worst_row_rel_err), one that does not faults
+    r = ga.run_child(first_unsafe_strided() + 1024, "strided")
     assert r["outcome"] in ("fault", "wrong"), r
 
 
 def test_probe_catches_a_kernel_wrong_on_the_tail():
-    from safe_ops.attention import Kernel, SafeAttention, sage_kernel
-    from safe_ops.runtime import runtime
-    real = sage_kernel(runtime())
+    from safe_ops.attention import Kernel, SafeAttention
+    real = ga.sage_kern()
 
     def broken(q, k, v, layout, scale):
         o = real.fn(q, k, v, layout, scale)
@@ -67,8 +78,74 @@ def test_probe_catches_a_kernel_wrong_on_the_tail():
 
 
 def test_real_sage_passes_probe():
-    from safe_ops.attention import SafeAttention
     q, k, v = ga.h3_qkv(38_000, "strided")
-    att = SafeAttention(Policy(kernel="sage", verify="first"))
+    att = ga.guarded(Policy(kernel="sage", verify="first"))
     att(ga._noop, q, k, v, 56, skip_reshape=True)
     assert report.STATS["probes"] == 1 and report.STATS["probe_failures"] == 0
+
+
+def _legacy_stream_kernel():
+    k = ga.sage_kern()
+    if not k.envelope.launches_on_legacy_stream:
+        pytest.skip(f"family {k.family} launches on the current stream: no stream hop to test "
+                    "(run with SAFESAGE_BENCH_FAMILY=sage2_fp8pv_perwarp and sage 2.2.0)")
+    return k
+
+
+def test_legacy_stream_kernel_under_a_side_stream_is_correct_and_memory_returns():
+    """sage 2.x CUDA kernels run on the legacy stream: the guarded call hops there from a side
+    stream, past the kernel's index limit (a repacked plan), and leaves no memory behind."""
+    from safe_ops.fences import GLOBAL_FENCES
+    import gc
+    _legacy_stream_kernel()
+    S = first_unsafe_strided()
+    q, k, v = ga.h3_qkv(S, "strided")
+    ref = ga.sdpa(q, k, v)
+    gc.collect()                     # an earlier test's traceback may still hold its tensors
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    att = ga.guarded()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
+        o2 = o * 1.0               # consumed on the side stream right away
+    torch.cuda.current_stream().wait_stream(side)
+    assert report.STATS["stream_hops"] == 1
+    err = ga.rel_l2(o2, ref)
+    assert err <= att.kernels[ga.sage_kern().family].tolerance, err
+    del o, o2
+    GLOBAL_FENCES.drain()
+    gc.collect()
+    torch.cuda.synchronize()
+    assert GLOBAL_FENCES.stats.pending == 0 and GLOBAL_FENCES.stats.fenced_bytes == 0
+    assert torch.cuda.memory_allocated() == base
+
+
+def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
+    from safe_ops.attention import Kernel, SafeAttention
+    real = ga.sage_kern()
+
+    def missing_extension(*a, **k):
+        raise RuntimeError("simulated: sageattention._qattn_sm90 is not built")
+
+    q, k, v = ga.h3_qkv(38_000, "strided")
+    att = SafeAttention(Policy(kernel="sage"), kernels=[Kernel(real.envelope, missing_extension, real.tolerance)])
+    o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
+    assert report.STATS["kernel_errors"] == 1
+    assert ga.rel_l2(o, ga.sdpa(q, k, v)) < 1e-3
+
+
+def test_probe_catches_nan_in_a_tail_row_of_the_second_batch_element():
+    from safe_ops.attention import Kernel, SafeAttention
+    real = ga.sage_kern()
+
+    def nan_tail(q, k, v, layout, scale):
+        o = real.fn(q, k, v, layout, scale)
+        (o[1, 18, -1] if layout == "HND" else o[1, -1, 18]).fill_(float("nan"))
+        return o
+
+    q, k, v = ga.h3_qkv(20_000, "strided_b2")
+    att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(real.envelope, nan_tail, real.tolerance)])
+    o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
+    assert report.STATS["probe_failures"] == 1 and torch.isfinite(o).all()

@@ -305,3 +305,304 @@ def test_kernel_wrong_for_one_dtype_is_caught_for_that_class_only():
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=2e-3, atol=2e-3)
     assert report.STATS["probe_failures"] == 1 and report.STATS["probes"] == 2
     assert len(kern.launches) == 3     # fp32, fp16 (caught), fp32; the second fp16 call skipped sage
+
+
+# ------------------------------------------------------- call-time errors, NaN, probe coverage
+def test_kernel_raising_at_call_time_falls_back_and_is_not_used_again(caplog):
+    """A sage build that imports but raises when called (e.g. a missing sm90 extension)."""
+    env = toy_envelope()
+    calls = []
+
+    def raising(q, k, v, layout, scale):
+        calls.append(1)
+        raise RuntimeError("SM90 kernel is not available. Make sure you GPUs with compute capability 9.0.")
+
+    att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(env, raising, 0.05)], rt=CPU_RT)
+    q, k, v = h3_like(100)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert report.STATS["kernel_errors"] == 1 and report.STATS["fallbacks"] == 1
+    assert "SM90 kernel is not available" in caplog.text and "toy_sage" in att.broken
+    # another shape: the family is not tried again
+    q2, k2, v2 = h3_like(60)
+    att(raw, q2, k2, v2, 4, skip_reshape=True)
+    assert len(calls) == 1 and report.STATS["plan:sdpa"] == 1
+
+
+def test_cuda_error_is_not_swallowed():
+    """CUDA errors are sticky: recomputing would fail too, so they propagate (debug_sync names the call)."""
+    def faulting(q, k, v, layout, scale):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    att = SafeAttention(Policy(kernel="sage"), kernels=[Kernel(toy_envelope(), faulting, 0.05)], rt=CPU_RT)
+    q, k, v = h3_like(100)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        att(raw, q, k, v, 4, skip_reshape=True)
+    assert not att.broken
+
+
+def test_probe_checks_every_batch_element_middle_heads_and_tail_rows():
+    """NaN in the last query row of a middle head of the second batch element fails the probe."""
+    def nan_in_tail(out):
+        out = out.clone()
+        out[1, 5, -1, 0] = float("nan")
+        return out
+
+    att, kern = make_attn(env=toy_envelope(small_ints=False), policy=Policy(kernel="sage", verify="first"),
+                          corrupt=nan_in_tail)
+    q, k, v = (torch.randn(2, 8, 1000, 16) for _ in range(3))
+    out = att(raw, q, k, v, 8, skip_reshape=True, skip_output_reshape=True)
+    assert report.STATS["probe_failures"] == 1
+    assert torch.isfinite(out).all()          # the SDPA recomputation was returned
+    assert any("non-finite output" in r for r in report.FALLBACKS)
+
+
+def test_probe_fails_when_the_error_is_nan():
+    """A NaN relative error (e.g. Inf - Inf in the kernel's output) must not be dropped by max()."""
+    from safe_ops.probe import compare
+    q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
+    good = reference(q, k, v).float()
+    assert compare(good, q, k, v, None, 0.05).ok
+    bad = good.clone()
+    bad[0, 3, 299] = float("inf")
+    verdict = compare(bad, q, k, v, None, 0.05)
+    assert not verdict.ok and "non-finite" in verdict.detail
+
+
+def test_nan_inputs_everywhere_are_inconclusive_and_probed_again():
+    att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
+    q, k, v = (torch.randn(1, 4, 64, 16) for _ in range(3))
+    k[0, :, 7] = float("nan")                  # every query row's reference is NaN
+    for _ in range(2):
+        att(raw, q, k, v, 4, skip_reshape=True)
+    assert report.STATS["probes"] == 2 and report.STATS["probe_failures"] == 0
+
+
+def test_probe_rows_and_heads_cover_the_tail_and_the_middle():
+    from safe_ops.probe import TAIL_ROWS, probe_heads, probe_rows
+    rows = probe_rows(100_000).tolist()
+    assert rows[0] == 0 and rows[-TAIL_ROWS:] == list(range(100_000 - TAIL_ROWS, 100_000))
+    assert probe_heads(56) == (0, 18, 37, 55) and probe_heads(3) == (0, 1, 2)
+
+# ------------------------------------------------------------------ kv_chunks
+def lse_envelope(limit, centred=True, family="toy_sage2"):
+    """The toy envelope plus a key-length rule (sm_120's kind) and the LSE capability."""
+    from safe_ops.envelope_sage2 import KvLenRule
+    env = toy_envelope(family)
+    return dataclasses.replace(env, returns_lse=True, lse_centred_k=centred,
+                               extra_rules=(KvLenRule(family, limit, "test", "toy length rule"),))
+
+
+class LseKernel(EnvelopeAssertingKernel):
+    """Stand-in for a sage 2 function with return_lse=True: asserts its envelope (i16 index
+    products and the length rule), returns the output in the input dtype and the LSE in fp32."""
+
+    def __init__(self, env):
+        super().__init__(env)
+        self.kv_lens = []
+        self.key_sums = []
+
+    def lse(self, q, k, v, layout, scale):
+        out = self(q, k, v, layout, scale)                 # checks the envelope, records the launch
+        hnd = (lambda t: t.transpose(1, 2)) if layout == "NHD" else (lambda t: t)
+        qh, kh = hnd(q).float(), hnd(k).float()
+        if kh.shape[1] != qh.shape[1]:
+            kh = kh.repeat_interleave(qh.shape[1] // kh.shape[1], 1)
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        self.kv_lens.append(kh.shape[2])
+        self.key_sums.append(hnd(k).double().sum(dim=2))
+        return out, torch.logsumexp(qh @ kh.transpose(-1, -2) * s, dim=-1)
+
+
+def make_lse_attn(limit, centred=True):
+    env = lse_envelope(limit, centred)
+    fn = LseKernel(env)
+    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(env, fn, 0.05, fn.lse)], rt=CPU_RT)
+    return att, fn
+
+
+@pytest.fixture
+def small_kv_chunks(monkeypatch):
+    """CPU-sized key chunks: align to 16 tokens, no 4096-token minimum."""
+    from safe_ops import planner
+    monkeypatch.setattr(planner, "KV_ALIGN", 16)
+    monkeypatch.setattr(planner, "MIN_KV_CHUNK", 16)
+
+
+@pytest.mark.parametrize("centred", [True, False])
+@pytest.mark.parametrize("S,limit", [(150, 100), (160, 50), (171, 64)])
+def test_kv_chunks_merge_matches_sdpa(small_kv_chunks, S, limit, centred):
+    att, kern = make_lse_attn(limit, centred)
+    q, k, v = h3_like(S, seed=S)
+    k = k + 3.0                                   # keys with a large common mean (what smooth_k is for)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
+    assert report.STATS["plan:kv_chunks"] == 1
+    plan = next(iter(att._prepared.values())).plan
+    n = -(-S // plan.kv_chunk)
+    # every launch saw fewer keys than the rule allows, equal chunks of 16-token multiples
+    assert max(kern.kv_lens) < limit and len(kern.kv_lens) == n * plan.launches // n
+    assert sum(kern.kv_lens[:n]) == S and all(c % 16 == 0 for c in kern.kv_lens[:n - 1])
+    assert kern.kv_lens[:n - 1] == [plan.kv_chunk] * (n - 1)
+    # the keys the kernel saw, summed over one pass of chunks: centred on the whole sequence's
+    # mean (sum 0), not each chunk's own; or the caller's keys untouched
+    seen = sum(kern.key_sums[:n])
+    expect = torch.zeros_like(seen) if centred else k.double().sum(dim=2)
+    torch.testing.assert_close(seen, expect, rtol=1e-4, atol=1e-3)
+    assert ("k" in plan.repack) == centred
+
+
+def test_kv_chunks_combined_with_head_groups_and_bf16(small_kv_chunks):
+    """Contiguous [1,4,S,16] past the i16 head term (S > 682) and a 300-key rule: head groups
+    x key chunks; bf16 in, fp32 merge: error at the bf16 level of the unchunked kernel."""
+    att, kern = make_lse_attn(300)
+    S = 700
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, S, 16, generator=g).bfloat16() for _ in range(3))
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    plan = next(iter(att._prepared.values())).plan
+    assert plan.kind == "kv_chunks" and plan.head_group and plan.kv_chunk < 300
+    ref = reference(q, k, v)
+    direct = reference(q, k, v).bfloat16().double()          # what one unchunked bf16 launch returns
+    # chunk outputs and the centred key copy are bf16 (as in sage): a few bf16 roundings, no more
+    assert (out.double() - ref).norm() / ref.norm() <= 3 * (direct - ref).norm() / ref.norm()
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+
+
+def test_kernel_without_lse_never_gets_kv_chunks(small_kv_chunks):
+    env = lse_envelope(100)
+    fn = LseKernel(env)
+    kern = Kernel(env, fn, 0.05)                          # no fn_lse: capability switched off
+    assert not kern.envelope.returns_lse
+    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[kern], rt=CPU_RT)
+    q, k, v = h3_like(150)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert report.STATS["plan:sdpa"] == 1 and not fn.launches
+
+
+def test_lse_merge_is_exact_and_shift_invariant():
+    from safe_ops.attention import lse_merge
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    s = 16 ** -0.5
+    acc = run = None
+    for c0, c1 in ((0, 10), (10, 40), (40, 64)):
+        w = q @ k[:, :, c0:c1].transpose(-1, -2) * s
+        o = torch.softmax(w, -1) @ v[:, :, c0:c1]
+        acc, run = lse_merge(acc, run, o, torch.logsumexp(w, -1) + 5.0)   # same constant per row
+    torch.testing.assert_close(acc.double(), reference(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------- budget and auto
+def test_budget_buckets():
+    from safe_ops.attention import BUDGET_STEP, budget_bucket
+    assert budget_bucket(0) == 0 and budget_bucket(-5) == 0
+    for n in (1, 1000, 3 * 2**30, 97 * 2**30):
+        b = budget_bucket(n)
+        assert b <= n < b * BUDGET_STEP * 1.0001
+    assert budget_bucket(2**30) == 2**30
+
+
+def test_plan_follows_the_budget_when_free_memory_moves():
+    """The budget is re-read per call (cheaply): a plan that no longer fits is re-chosen for the
+    same kernel (smaller head groups), and chosen again when memory comes back."""
+    att, kern = make_attn()
+    q, k, v = h3_like(700)                            # repack + head groups in the toy envelope
+    budget = {"now": None}
+    att._budget = lambda dev: budget["now"]
+    launches = []
+    for now in (None, "tight", None):
+        if now == "tight":
+            p0 = next(iter(att._prepared.values())).plan
+            budget["now"] = p0.peak_bytes - 1
+        else:
+            budget["now"] = 10**12
+        kern.launches.clear()
+        out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+        launches.append(len(kern.launches))
+    assert launches[0] < launches[1] and launches[2] == launches[0]
+    assert report.STATS["replans"] == 1           # tight: re-planned; back to the cached one after
+    assert report.STATS["plan:sdpa"] == 0
+
+
+def test_auto_order_and_explanation(monkeypatch):
+    from safe_ops.runtime import auto_order, comfy_attention_choice, explain_auto
+    assert comfy_attention_choice("attention_sage") == "sage"
+    assert comfy_attention_choice("attention_comfy_kitchen_int8") == "ck"
+    assert comfy_attention_choice("attention_pytorch") is None
+    fams = ["sage2_sm120_fp8pv", "ck_int8"]
+    assert auto_order("sm_120", fams, "ck")[0][:2] == ["ck_int8", "sdpa"]
+    assert auto_order("sm_120", fams, "sage")[0][:2] == ["sage2_sm120_fp8pv", "sdpa"]
+    assert auto_order("sm_120", fams, None)[0][0] == "sdpa"
+    rt = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
+    line = explain_auto(rt, fams, "ck")
+    assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
+    assert explain_auto(rt, [], None).startswith("auto picked PyTorch SDPA because no sage-family")
+    from safe_ops import runtime as R
+    table = {"archs": {"sm_120": {"tflops": {"sdpa": 300.0, "ck_int8": 500.0}}}}
+    monkeypatch.setattr(R, "kernel_table", lambda: table)
+    order, why = auto_order("sm_120", ["sage2_sm120_fp8pv", "ck_int8_pre240"], None)
+    assert order[:2] == ["ck_int8_pre240", "sdpa"] and "500 TFLOP/s" in why   # shares ck_int8's number
+    assert "not measured: sage2_sm120_fp8pv" in why
+    assert "as asked" in explain_auto(rt, fams, None, "sdpa")
+
+
+def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
+    """With sage 2.2, other sage-2 families join sageattn's own only where kernel_table.json has
+    a (verified) measurement for this arch; per_warp never shadows sm_120's length rule."""
+    import sys
+    import types
+
+    import safe_ops.attention as A
+    from safe_ops.envelope_sage2 import SAGEATTN_CALL
+    fake = types.ModuleType("sageattention")
+    for name, _ in SAGEATTN_CALL.values():
+        setattr(fake, name, lambda *a, **k: None)
+    monkeypatch.setitem(sys.modules, "sageattention", fake)
+    table = {"archs": {"sm_90": {"tflops": {"sdpa": 556.0, "sage2_fp8pv_perwarp": 700.0,
+                                            "sage2_sm90": 650.0, "sage2_sm120_fp8pv": 900.0}}}}
+    monkeypatch.setattr("safe_ops.runtime.kernel_table", lambda: table)
+    h200 = Runtime("t", None, "H200", (9, 0), "2.2.0", "sage2_sm90", None, None, None, None)
+    fams = [k.family for k in A.installed_kernels(h200)]
+    assert fams == ["sage2_sm90", "sage2_fp8pv_perwarp"]            # sm120 kernel does not run on sm_90
+    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=A.installed_kernels(h200), rt=h200)
+    assert att.candidates(None, comfy_wants_sage=False)[:3] == ["sage2_fp8pv_perwarp", "sage2_sm90", "sdpa"]
+    rtx = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
+    assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
+    table["archs"]["sm_120"] = {"tflops": {"sage2_fp8pv_perwarp": 999.0}}   # even if measured
+    assert [k.family for k in A.installed_kernels(rtx)] == ["sage2_sm120_fp8pv"]
+    assert all(k.fn_lse is not None and k.envelope.returns_lse for k in A.installed_kernels(h200))
+
+
+def test_ck_detection_by_version(monkeypatch):
+    import safe_ops.runtime as R
+    versions = {"comfy-kitchen": "0.2.26"}
+    monkeypatch.setattr(R, "_dist_version", lambda name: versions.get(name))
+    v, fam, err = R._ck_facts((12, 0))
+    assert (v, fam) == ("0.2.26", None) and "needs >= 0.2.29" in err
+    versions["comfy-kitchen"] = "0.2.40"
+    v, fam, err = R._ck_facts(None)
+    assert (v, fam, err) == ("0.2.40", None, "no CUDA device")
+    versions.clear()
+    monkeypatch.setattr(R.importlib.util, "find_spec", lambda name: None)
+    assert R._ck_facts((9, 0)) == (None, None, "package not installed")
+
+
+def test_comfy_flags_name_the_configured_kernel(monkeypatch):
+    import sys
+    import types
+
+    from safe_ops.runtime import comfy_attention_choice
+    assert comfy_attention_choice(None) is None                      # ComfyUI not loaded
+    cli = types.ModuleType("comfy.cli_args")
+    cli.args = types.SimpleNamespace(use_ck_attention=True)
+    monkeypatch.setitem(sys.modules, "comfy.cli_args", cli)
+    assert comfy_attention_choice(None) == "ck"
+    mm = types.ModuleType("comfy.model_management")
+    mm.sage_attention_enabled = lambda: True
+    monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
+    assert comfy_attention_choice(None) == "sage"
+    assert comfy_attention_choice("attention_pytorch") is None       # the function ComfyUI passed wins

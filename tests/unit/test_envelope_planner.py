@@ -160,7 +160,7 @@ def test_query_chunks_when_only_query_side_overflows():
     """Long strided queries against short contiguous keys: chunk queries, copy nothing."""
     q = h3_view(150_000)
     k = TensorDesc.contiguous((1, 56, 512, 128), "HND")
-    p = plan_for(call_of(q, k, k), SAGE1_TRITON, budget_bytes=2 * 2**30)
+    p = plan_for(call_of(q, k, k), SAGE1_TRITON, budget_bytes=int(4.5 * 2**30))   # copies + kernel temporaries: no room for a full q copy
     assert p.kind == "query_chunks" and p.q_chunk <= 99_865 and not p.repack
 
 
@@ -178,4 +178,71 @@ def test_plan_is_printable_data():
     p = plan_for(call_of(h3_view(169_000)), SAGE1_TRITON)
     s = str(p)
     assert "repack q/k" in s and "because" in s and "169,000" in s
-    assert p == dataclasses.replace(p)
+
+
+# ------------------------------------------------------------------ kv_chunks
+def test_sm120_length_rule_gets_key_chunks_not_sdpa():
+    """sage2_sm120_fp8pv refuses kv_len >= 150,000 (SageAttention #388): past it the planner
+    splits the keys into equal 128-multiples below the rule, merged by LSE -- not SDPA."""
+    from safe_ops.envelope_sage2 import FP8_SM120_MAX_KV_LEN, SAGE2_SM120_FP8PV
+    from safe_ops.planner import _sub_call
+    for S in (150_000, 169_000, 230_000, 314_437):
+        call = call_of(h3_view(S), layout="NHD")
+        ch = choose(call, [SAGE2_SM120_FP8PV, SDPA])
+        assert ch.kind == "kv_chunks" and ch.kernel == "sage2_sm120_fp8pv", ch
+        assert ch.kv_chunk < FP8_SM120_MAX_KV_LEN and ch.kv_chunk % 128 == 0
+        n = -(-S // ch.kv_chunk)
+        assert (n - 1) * ch.kv_chunk < S and "k" in ch.repack          # centred key copies
+        assert not check(_sub_call(call, ch.head_group or 56, ch.q_chunk or S, ch.repack, ch.layout,
+                                   ch.kv_chunk), SAGE2_SM120_FP8PV)
+        assert "key tokens per launch merged by log-sum-exp" in str(ch)
+
+
+def test_no_lse_no_key_chunks():
+    """A family that cannot return its LSE (sage 1.0.6 sageattn) keeps length rules hard."""
+    from safe_ops.envelope_sage2 import KvLenRule
+    env = dataclasses.replace(SAGE1_TRITON, extra_rules=(KvLenRule("sage1_triton", 150_000, "t", "t"),))
+    assert not env.returns_lse
+    t = TensorDesc.contiguous((1, 56, 169_000, 128), "NHD")
+    assert plan_for(call_of(t, layout="NHD"), env) is None
+    ch = choose(call_of(t, layout="NHD"), [env, SDPA])
+    assert ch.kind == "sdpa" and "kv_len" in ch.reasons[0]
+    lse_env = dataclasses.replace(env, returns_lse=True)
+    assert plan_for(call_of(t, layout="NHD"), lse_env).kind == "kv_chunks"
+
+
+def test_budget_counts_kernel_temporaries():
+    """A direct call whose kernel temporaries exceed the budget is not 'direct' any more."""
+    call = call_of(h3_view(99_865))
+    p = plan_for(call, SAGE1_TRITON)
+    assert p.kind == "direct" and p.peak_bytes == p.kernel_temp_bytes > 0
+    tight = plan_for(call, SAGE1_TRITON, budget_bytes=p.kernel_temp_bytes - 1)
+    assert tight is not None and tight.kind != "direct" and tight.peak_bytes < p.kernel_temp_bytes
+    assert "budget" in tight.reasons[0]
+
+
+# ------------------------------------------------------------------ comfy-kitchen
+def test_ck_pre240_boundary_is_issue_178():
+    """comfy-kitchen 0.2.29-0.2.39: 299,520 keys pass, 299,521 raise (#178, RTX 5090 bisection):
+    the packed V pads to cta_k=128, 56*128*299,648 > INT_MAX."""
+    from safe_ops.envelope_ck import CK_INT8, CK_INT8_PRE240
+    for layout in ("NHD", "HND"):
+        ok = TensorDesc.contiguous((1, 56, 299_520, 128), layout)
+        bad = TensorDesc.contiguous((1, 56, 299_521, 128), layout)
+        assert not check(call_of(ok, layout=layout), CK_INT8_PRE240)
+        viol = check(call_of(bad, layout=layout), CK_INT8_PRE240)
+        assert [v.tensor for v in viol] == ["v_int8"] and viol[0].rule == "index"
+        assert not check(call_of(bad, layout=layout), CK_INT8)          # 0.2.40: 64-bit bases
+    # H3's strided views at the 50 s 720p length: head groups, no SDPA; never kv chunks (no LSE)
+    p = plan_for(call_of(h3_view(314_437), layout="NHD"), CK_INT8_PRE240)
+    assert p.kind == "head_groups" and not p.kv_chunk and p.head_group * 128 * 314_496 <= I32_MAX
+    assert not CK_INT8_PRE240.returns_lse and not CK_INT8.returns_lse
+
+
+def test_ck_within_head_limit_and_versions():
+    from safe_ops.envelope_ck import CK_INT8, ck_family_for
+    long_ = TensorDesc.contiguous((1, 2, 17_000_000, 128), "HND")     # 17M x 128 > INT_MAX per head
+    assert {v.axis for v in check(call_of(long_), CK_INT8)} >= {"s"}
+    assert ck_family_for("0.2.40") == "ck_int8"
+    assert ck_family_for("0.2.29") == ck_family_for("0.2.39") == ck_family_for("0.3.0") == "ck_int8_pre240"
+    assert ck_family_for("0.2.28") is None and ck_family_for("0.2.7") is None and ck_family_for(None) is None

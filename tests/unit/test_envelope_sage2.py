@@ -230,3 +230,18 @@ def test_every_family_registered_and_cited():
                 assert t.cite.startswith("SageAttention@v2.2.0:"), t
     for fam, (fn, kw) in S2.SAGEATTN_CALL.items():
         assert fam in FAMILIES and fn.startswith("sageattn_")
+
+
+def test_smoothed_k_is_what_triton_quant_indexes():
+    """sageattn's smooth_k (always on) quantises `k - km`, a dense NHD copy of H3's k view: past
+    the strided limit only q needs a copy (issue 11: the caller's k was copied for nothing);
+    k_smooth still limits the dense copy at 299,594 tokens (token stride 7,168)."""
+    from safe_ops.envelope import FAMILIES
+    from safe_ops.planner import plan_for
+    for fam in ("sage2_sm90", "sage2_sm80", "sage2_sm89_fp8pv", "sage2_sm86_triton"):
+        env = FAMILIES[fam]
+        p = plan_for(call_of(h3_view(99_866), layout="NHD"), env)
+        assert p.kind == "repack" and p.repack == ("q",), (fam, p)
+        assert not [x for x in viol(fam, call_of(h3_view(99_866))) if x.tensor == "k"]
+        bad = [x for x in viol(fam, call_of(h3_view(299_595), layout="NHD")) if x.tensor == "k_smooth"]
+        assert bad and bad[0].axis == "s"

@@ -133,3 +133,18 @@ def test_stream_hop_orders_both_ways():
     assert evs[0].recorded_on is origin and target.waits == [evs[0]]
     hop.exit()
     assert evs[1].recorded_on is target and origin.waits == [evs[1]]
+
+
+def test_held_bytes_are_capped_by_waiting_for_the_oldest():
+    b = make_book(max_pending_bytes=250)
+    for _ in range(3):
+        b.hold([gpu_like(100)])
+    # 300 bytes > 250: the oldest fence was waited for and released; the newest is never waited on
+    assert b.events[0].waited and not b.events[2].waited
+    assert b.stats.fenced_bytes == 200 and b.stats.pending == 2 and b.stats.waits == 1
+
+
+def test_a_single_fence_over_the_byte_cap_is_kept_not_waited_on():
+    b = make_book(max_pending_bytes=10)
+    b.hold([gpu_like(100)])
+    assert not b.events[0].waited and b.stats.pending == 1

@@ -1,23 +1,28 @@
 """safe_ops.mlp against ComfyUI's own classes (CPU).
 
-Needs a ComfyUI tree with MiniMax H3 (0dd9b154 or newer): set COMFYUI_PATH. Without it every
-test here is skipped with the reason printed. ``comfy.model_patcher`` needs torchvision, which a
-CPU-only torch 2.13 venv cannot import, so installation is checked on a stand-in patcher that
-has ModelPatcher's ``object_patches`` / ``add_object_patch`` contract and applies patches with
-``comfy.utils.set_attr`` the way ``ModelPatcher.patch_model`` does; the real ModelPatcher is
-used when it imports.
+Needs a ComfyUI tree with MiniMax H3 (0dd9b154 or newer): set COMFYUI_PATH (`bash .ci/run` does,
+in its 0dd9b154 pass, where .ci/check_junit.py requires every test here to run). Without it
+every test here is skipped with the reason printed.
 
 What is proved here:
 * the chunked forward returns ComfyUI's numbers (unpatched ``MLP.forward``) for manual_cast
-  Linears, LoRA-style ``weight_function``s and fp8 ``QuantizedTensor`` (mixed_precision_ops)
-  weights;
+  Linears, LoRA-style ``weight_function``s and fp8 / INT8 ``QuantizedTensor`` weights;
+* each branch of ``comfy.ops.linear_input_act`` that the chunk loop re-implements (the eager
+  SwiGLU + fc2 forward, the INT8 fused SwiGLU) gives what ComfyUI's own ``linear_input_act``
+  gives on the same fc1 output; the branches it does not re-implement (INT8 with
+  ``_full_precision_mm``, later ComfyUI's fp16-accumulation ``ck.fp16_linear``) run
+  ComfyUI's unchunked MLP with a counted, logged reason;
 * ``comfy.ops.cast_bias_weight`` is called once per Linear per MLP call (2 per call), where
   calling the layers per chunk casts (and runs the LoRA function) once per chunk;
 * transient weights go to ``FenceBook.hold`` after the last chunk and before
   ``comfy.ops.uncast_bias_weight``;
-* install: every H3 MLP of a tiny MiniMaxH3Model patched, idempotent, foreign patches reported.
+* install on a real ``comfy.model_patcher.ModelPatcher``: every H3 MLP of a tiny
+  MiniMaxH3Model patched on a clone, ``patch_model`` / ``unpatch_model`` (with a LoRA weight
+  patch) route calls through the chunked forward and back, idempotent, foreign patches
+  reported.
 """
 import json
+import logging
 import os
 import sys
 
@@ -38,8 +43,8 @@ import comfy.cli_args
 comfy.cli_args.args.cpu = True  # before comfy.model_management is imported
 try:
     import comfy.model_management
+    import comfy.model_patcher
     import comfy.ops
-    import comfy.utils
     from comfy.quant_ops import QuantizedTensor
 except Exception as e:  # pragma: no cover - environment
     print(f"\n[test_mlp_comfy] skipped: ComfyUI import failed: {e!r}")
@@ -281,14 +286,17 @@ def _int8_state(lin, seed):
     }
 
 
-def test_int8_fused_swiglu_fc2_per_chunk(monkeypatch, stats):
-    """linear_input_act's INT8 path (SwiGLU fused into fc2's per-row INT8 input quantiser):
-    kept, per chunk, on the one cast weight; bitwise equal (per-row quantisation)."""
+def int8_mlp():
     ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.bfloat16)
     m = h3.MLP(HIDDEN, FFN, dtype=torch.bfloat16, device="cpu", operations=ops)
     m.fc1.load_state_dict(_int8_state(m.fc1, 1), strict=False)
     m.fc2.load_state_dict(_int8_state(m.fc2, 2), strict=False)
     assert m.fc2.weight._layout_cls == "TensorWiseINT8Layout"
+    return m
+
+
+def _spy_int8_linear(monkeypatch):
+    """Records the input_act of every comfy-kitchen int8_linear call (the fused INT8 branch)."""
     ck = comfy.ops.quant_ops.ck
     acts = []
     real = ck.int8_linear
@@ -297,6 +305,14 @@ def test_int8_fused_swiglu_fc2_per_chunk(monkeypatch, stats):
         acts.append(k.get("input_act"))
         return real(*a, **k)
     monkeypatch.setattr(ck, "int8_linear", spy)
+    return acts
+
+
+def test_int8_fused_swiglu_fc2_per_chunk(monkeypatch, stats):
+    """linear_input_act's INT8 path (SwiGLU fused into fc2's per-row INT8 input quantiser):
+    kept, per chunk, on the one cast weight; bitwise equal (per-row quantisation)."""
+    m = int8_mlp()
+    acts = _spy_int8_linear(monkeypatch)
     x = _x(300)
     cc = CastCounter(monkeypatch)
     y = mlp.h3_mlp_forward(m, x, 64, fences=None, stats=stats)
@@ -381,22 +397,163 @@ def test_shared_cast_buffer_falls_back(monkeypatch, stats):
     assert torch.equal(y, _unpatched(m, x))
 
 
+def _ran_comfys_own_mlp(monkeypatch, m, x, chunk, stats):
+    """h3_mlp_forward on m, recording which comfy.ops entry points ran."""
+    seen = []
+    real = comfy.ops.linear_input_act
+
+    def spy(linear, h, act, *a, **k):
+        seen.append((linear is m.fc2, tuple(h.shape), act))
+        return real(linear, h, act, *a, **k)
+    monkeypatch.setattr(comfy.ops, "linear_input_act", spy)
+    y = mlp.h3_mlp_forward(m, x, chunk, fences=None, stats=stats)
+    monkeypatch.setattr(comfy.ops, "linear_input_act", real)
+    return y, seen
+
+
 def test_passthrough_and_unsupported(monkeypatch, stats):
+    """Tokens within one chunk, "off", and a Linear class whose forward is not reproduced: ComfyUI's
+    own MLP.forward runs once over all tokens (its linear_input_act on the full fc1 output)."""
     m = manual_cast_mlp(torch.bfloat16)
     x = _x(100)
     cc = CastCounter(monkeypatch)
-    assert torch.equal(mlp.h3_mlp_forward(m, x, 100, fences=None, stats=stats), _unpatched(m, x))
-    assert stats.passthrough == 1 and stats.chunked_calls == 0
-    assert torch.equal(mlp.h3_mlp_forward(m, x, "off", fences=None, stats=stats), _unpatched(m, x))
+    _y, seen = _ran_comfys_own_mlp(monkeypatch, m, x, 100, stats)
+    assert seen == [(True, (100, 2 * FFN), "swiglu")]
+    assert stats.passthrough == 1 and stats.chunked_calls == 0 and stats.chunks == 0 and stats.casts == 0
+    assert cc.casts == 2, "ComfyUI's own layers cast (once each, unchunked)"
+    _y, seen = _ran_comfys_own_mlp(monkeypatch, m, x, "off", stats)
+    assert seen == [(True, (100, 2 * FFN), "swiglu")] and stats.passthrough == 2 and stats.chunks == 0
     # a Linear class that overrides the cast forward (e.g. legacy fp8_ops): ComfyUI's forward, counted
     m2 = h3.MLP(HIDDEN, FFN, dtype=torch.bfloat16, device="cpu", operations=comfy.ops.fp8_ops)
     _init_linear(m2.fc1, torch.bfloat16, 1)
     _init_linear(m2.fc2, torch.bfloat16, 2)
-    cc.casts = 0
-    y = mlp.h3_mlp_forward(m2, x, 16, fences=None, stats=stats)
-    assert torch.equal(y, _unpatched(m2, x))
-    assert any("overrides the cast forward" in k for k in stats.fallbacks)
-    assert stats.casts == 0, "nothing cast before deciding to fall back"
+    _y, seen = _ran_comfys_own_mlp(monkeypatch, m2, x, 16, stats)
+    assert seen == [(True, (100, 2 * FFN), "swiglu")]
+    assert [k for k in stats.fallbacks if "overrides the cast forward" in k]
+    assert stats.casts == 0 and stats.chunks == 0, "nothing cast before deciding to fall back"
+
+
+# ---------------------------------------------------------------------------------------
+# each linear_input_act branch: the pack's per-chunk version vs ComfyUI's own function
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_swiglu_matches_comfy_swiglu_eager(dtype):
+    """The in-place SwiGLU of the chunk loop vs ComfyUI's _swiglu_eager (what linear_input_act
+    applies for "swiglu"): bitwise, gate = first half."""
+    h = torch.randn(37, 2 * FFN, generator=torch.Generator().manual_seed(3)).to(dtype) * 4
+    want = comfy.ops.INPUT_ACT_EAGER["swiglu"](h.clone())
+    assert comfy.ops.INPUT_ACT_EAGER["swiglu"] is comfy.ops._swiglu_eager
+    got = mlp.swiglu_inplace(h.clone())
+    assert got.shape == want.shape == (37, FFN) and torch.equal(got, want)
+    assert not torch.equal(got, mlp.swiglu_inplace(h.roll(FFN, dims=-1).clone())), "halves are not symmetric"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_fp8_matches_comfy_kitchen(dtype):
+    """safe_ops.mlp.dequantize_fp8 (bench/bench_mlp.py's weights) vs comfy-kitchen's own
+    dequantize_per_tensor_fp8, the one ComfyUI's fp8 QuantizedTensor uses: bitwise."""
+    ck = comfy.ops.quant_ops.ck
+    state = _fp8_state(torch.nn.Linear(HIDDEN, 2 * FFN), 17)
+    q, scale = state["weight"], state["weight_scale"]
+    want = ck.dequantize_per_tensor_fp8(q, scale, dtype)
+    got = mlp.dequantize_fp8(q, scale, dtype)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
+def _lora_int8_mlp():
+    m = int8_mlp()
+    d = torch.randn(m.fc2.weight.shape, generator=torch.Generator().manual_seed(8)) * 1e-3
+    m.fc2.weight_function = [lambda w: w + d.to(w.dtype)]
+    return m
+
+
+def _lora_manual_mlp():
+    m = manual_cast_mlp(torch.bfloat16)
+    d = (torch.randn(m.fc2.weight.shape, generator=torch.Generator().manual_seed(8)) * 1e-2).to(torch.bfloat16)
+    m.fc2.weight_function = [lambda w: w + d]
+    return m
+
+
+FC2_KINDS = {
+    # kind: (MLP factory, the linear_input_act branch ComfyUI takes for fc2)
+    "manual_cast_bf16": (lambda: manual_cast_mlp(torch.bfloat16), "eager"),
+    "manual_cast_fp32_weights_bf16": (lambda: manual_cast_mlp(torch.bfloat16, torch.float32), "eager"),
+    "manual_cast_lora": (_lora_manual_mlp, "eager"),
+    "fp8_native": (lambda: fp8_mlp(), "eager"),
+    "fp8_full_precision_mm": (lambda: fp8_mlp(disabled=("float8_e4m3fn", "float8_e5m2")), "eager"),
+    "int8_fused": (lambda: int8_mlp(), "int8"),
+    "int8_lora_dequantised": (_lora_int8_mlp, "int8-cast-dequantised"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FC2_KINDS))
+def test_fc2_branch_matches_comfy_linear_input_act(monkeypatch, kind):
+    """fc2 = linear_input_act(fc2, h, "swiglu"): the pack's lease (cast once) applied per chunk by
+    run_chunked_mlp vs ComfyUI's own linear_input_act on the same fc1 output h, all tokens."""
+    make, branch = FC2_KINDS[kind]
+    m = make()
+    S, chunk = 300, 64
+    h = (torch.randn(S, 2 * FFN, generator=torch.Generator().manual_seed(21)) * 2).to(torch.bfloat16)
+    int8_calls = _spy_int8_linear(monkeypatch)
+    want = comfy.ops.linear_input_act(m.fc2, h.clone(), "swiglu")
+    assert int8_calls == (["swiglu"] if branch == "int8" else []), "ComfyUI took the expected branch"
+    int8_calls.clear()
+
+    stats = mlp.MlpStats()
+    cc = CastCounter(monkeypatch)
+    fc2 = mlp.swiglu_fc2_lease(m.fc2, h.dtype, h.device, FFN, stats)
+    identity = mlp.CallableLease(lambda t: t.clone())   # the chunk loop's fc1 step: h itself
+    got = mlp.run_chunked_mlp(h, identity, fc2, chunk, stats=stats)
+    assert cc.casts == 1 and cc.uncasts == 1, "fc2 cast once for all chunks"
+    assert int8_calls == (["swiglu"] * -(-S // chunk) if branch == "int8" else [])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if not torch.equal(got, want):
+        # CPU matmul not row independent at these shapes (see test_mlp.py): ComfyUI per chunk
+        per_chunk = torch.cat([comfy.ops.linear_input_act(m.fc2, h[a:a + chunk].clone(), "swiglu")
+                               for a in range(0, S, chunk)])
+        assert torch.equal(got, per_chunk), kind
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        assert err <= 1e-5, (kind, err)
+
+
+def test_int8_fc2_with_full_precision_mm_falls_back_counted_and_logged(monkeypatch, stats, caplog):
+    """0dd9b154's linear_input_act ignores _full_precision_mm on an INT8 fc2, later ComfyUI takes
+    the eager path: not reproduced, so ComfyUI's own MLP runs, with a counted, logged reason."""
+    m = int8_mlp()
+    m.fc2._full_precision_mm = True
+    x = _x(300)
+    with caplog.at_level(logging.WARNING, logger="SafeSage.mlp"):
+        _y, seen = _ran_comfys_own_mlp(monkeypatch, m, x, 64, stats)
+    reason = "INT8 fc2 with full_precision_mm (linear_input_act's branch differs by ComfyUI version)"
+    assert stats.fallbacks == {reason: 1} and stats.chunks == 0 and stats.chunked_calls == 0
+    assert seen == [(True, (300, 2 * FFN), "swiglu")], "ComfyUI's MLP over all tokens"
+    assert any(reason in r.getMessage() for r in caplog.records)
+
+
+def test_fp16_linear_branch_of_later_comfy_falls_back(monkeypatch, stats, caplog):
+    """Later ComfyUI's linear_input_act sends fc2 through ck.fp16_linear when
+    comfy.ops._fp16_linear_wanted(x) (fp16 CUDA + fp16 accumulation). Simulated here on CPU:
+    the chunk loop does not reproduce that kernel, so ComfyUI's MLP runs, counted and logged;
+    a quantised fc2 (which that branch does not take) still runs chunked."""
+    m = manual_cast_mlp(torch.float16)
+    x = _x(300, torch.float16)
+    asked = []
+    monkeypatch.setattr(comfy.ops, "_fp16_linear_wanted", lambda t: asked.append(t.dtype) or True, raising=False)
+    with caplog.at_level(logging.WARNING, logger="SafeSage.mlp"):
+        _y, seen = _ran_comfys_own_mlp(monkeypatch, m, x, 64, stats)
+    assert asked and stats.chunks == 0 and len(stats.fallbacks) == 1
+    (reason,) = stats.fallbacks
+    assert "fp16_linear" in reason and any(reason in r.getMessage() for r in caplog.records)
+    assert seen == [(True, (300, 2 * FFN), "swiglu")]
+    q = fp8_mlp(compute_dtype=torch.float16)
+    mlp.h3_mlp_forward(q, x, 64, fences=None, stats=stats)
+    assert stats.chunked_calls == 1 and stats.chunks == 5 and len(stats.fallbacks) == 1
+
+    def broken(t):
+        raise TypeError("new signature")
+    monkeypatch.setattr(comfy.ops, "_fp16_linear_wanted", broken)
+    mlp.h3_mlp_forward(m, x, 64, fences=None, stats=stats)
+    assert any("_fp16_linear_wanted failed" in k for k in stats.fallbacks), stats.fallbacks
 
 
 # ---------------------------------------------------------------------------------------
@@ -410,55 +567,32 @@ H3_CONFIG = dict(
 )
 
 
-class StandInPatcher:
-    """ModelPatcher's object-patch contract (0dd9b154 comfy/model_patcher.py)."""
-
-    def __init__(self, diffusion_model):
-        self.model = torch.nn.Module()
-        self.model.diffusion_model = diffusion_model
-        self.object_patches = {}
-        self.object_patches_backup = {}
-
-    def add_object_patch(self, name, obj):
-        self.object_patches[name] = obj
-
-    def patch(self):
-        for k in self.object_patches:
-            old = comfy.utils.set_attr(self.model, k, self.object_patches[k])
-            if k not in self.object_patches_backup:
-                self.object_patches_backup[k] = old
-
-    def unpatch(self):
-        for k in list(self.object_patches_backup):
-            comfy.utils.set_attr(self.model, k, self.object_patches_backup[k])
-        self.object_patches_backup.clear()
+def _tiny_h3(seed=3):
+    dm = h3.MiniMaxH3Model(**H3_CONFIG, dtype=torch.bfloat16, device="cpu", operations=comfy.ops.manual_cast)
+    for i, mod in enumerate(m for m in dm.modules() if isinstance(m, torch.nn.Linear)):
+        _init_linear(mod, torch.bfloat16, seed + i)
+    return dm
 
 
-def _tiny_h3():
-    return h3.MiniMaxH3Model(**H3_CONFIG, dtype=torch.bfloat16, device="cpu",
-                             operations=comfy.ops.manual_cast)
+def _model_patcher(dm):
+    """A real comfy.model_patcher.ModelPatcher around dm (CPU load and offload device)."""
+    base = torch.nn.Module()
+    base.diffusion_model = dm
+    return comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
 
 
-def _patcher(dm):
-    try:
-        import comfy.model_patcher
-        return comfy.model_patcher.ModelPatcher(torch.nn.Module(), torch.device("cpu"), torch.device("cpu")), True
-    except Exception as e:
-        print(f"\n[test_mlp_comfy] real ModelPatcher unavailable ({e!r}); using the stand-in")
-        return StandInPatcher(dm), False
+def _mlp_keys(dm):
+    return sorted(f"diffusion_model.{n}.forward" for n, _ in mlp.find_h3_mlps(dm))
 
 
 def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
     dm = _tiny_h3()
-    for mod in dm.modules():
-        if isinstance(mod, torch.nn.Linear):
-            _init_linear(mod, torch.bfloat16, 3)
-    p = StandInPatcher(dm)
+    p = _model_patcher(dm)
     n_expected = H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
     r = mlp.install_h3_mlp_patches(p, 32)
     assert r == {"patched": n_expected, "skipped": None, "conflicts": [], "removed": 0}
     keys = sorted(p.object_patches)
-    assert keys == sorted(f"diffusion_model.{n}.forward" for n, _ in mlp.find_h3_mlps(dm))
+    assert keys == _mlp_keys(dm)
     assert any(".token_refiner." in k for k in keys) and any(k.startswith("diffusion_model.blocks.") for k in keys)
     first = dict(p.object_patches)
     r2 = mlp.install_h3_mlp_patches(p, "auto")
@@ -468,23 +602,10 @@ def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
         assert v is not first[k] and v.chunk_setting == "auto"
         assert not isinstance(getattr(v, "module", None), mlp.H3ChunkedMLPForward)  # never wraps ours
 
-    # applied the way ModelPatcher.patch_model does: calls go through the chunked forward
-    p.patch()
-    stats_before = mlp.MLP_STATS.calls
-    mod = dm.blocks[0].mlp
-    x = _x(100)
-    with torch.no_grad():
-        y = mod(x)
-    assert mlp.MLP_STATS.calls == stats_before + 1
-    p.unpatch()
-    assert "forward" not in mod.__dict__ or not getattr(mod.__dict__["forward"], "_safesage_mlp", False)
-    # "auto" on CPU: the tokens fit the budget -> ComfyUI's own forward (passthrough)
-    assert torch.equal(y, _unpatched(mod, x))
-
     # a foreign patch on one key is reported, not replaced
     foreign_key = keys[0]
     foreign = lambda x: x
-    p.object_patches[foreign_key] = foreign
+    p.add_object_patch(foreign_key, foreign)
     r3 = mlp.install_h3_mlp_patches(p, 64)
     assert r3["patched"] == n_expected - 1
     assert [c["key"] for c in r3["conflicts"]] == [foreign_key]
@@ -496,9 +617,47 @@ def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
     assert p.object_patches == {foreign_key: foreign}
 
 
+def test_model_patcher_patch_unpatch_cycle_with_lora():
+    """The real ModelPatcher cycle the node relies on: patches installed on a clone (the loader's
+    patcher untouched), patch_model applies them and a LoRA weight patch, the MLP runs chunked
+    on the LoRA-patched weights with ComfyUI's numbers, unpatch_model restores forward and
+    weights, and a second cycle works the same."""
+    dm = _tiny_h3(seed=4)
+    loader = _model_patcher(dm)
+    mod = dm.blocks[0].mlp
+    w_orig = mod.fc1.weight.detach().clone()
+    delta = torch.randn(w_orig.shape, generator=torch.Generator().manual_seed(6)) * 0.05
+    loader.add_patches({"diffusion_model.blocks.0.mlp.fc1.weight": ("diff", (delta,))}, 1.0)
+    mp = loader.clone()
+    r = mlp.install_h3_mlp_patches(mp, 48)
+    assert r["patched"] == H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
+    assert sorted(mp.object_patches) == _mlp_keys(dm) and loader.object_patches == {}
+    x = _x(200)
+    for cycle in range(2):
+        mp.patch_model()
+        assert getattr(mod.__dict__.get("forward"), "_safesage_mlp", False), cycle
+        assert not torch.equal(mod.fc1.weight, w_orig), "LoRA weight patch applied"
+        stats0 = mlp.MLP_STATS.as_dict()
+        with torch.no_grad():
+            y = mod(x)
+            ref = _unpatched(mod, x)   # ComfyUI's MLP on the same patched weights
+        assert mlp.MLP_STATS.chunks - stats0["chunks"] == 5   # ceil(200 / 48)
+        assert mlp.MLP_STATS.chunked_calls - stats0["chunked_calls"] == 1
+        assert torch.equal(y, ref) or torch.equal(y, _per_chunk_unpatched(mod, x, 48))
+        mp.unpatch_model()
+        assert torch.equal(mod.fc1.weight, w_orig), "weights restored"
+        assert not getattr(mod.__dict__.get("forward"), "_safesage_mlp", False), "forward restored"
+        stats1 = mlp.MLP_STATS.chunks
+        with torch.no_grad():
+            mod(x)
+        assert mlp.MLP_STATS.chunks == stats1, "after unpatch_model the chunked forward is not called"
+    # the restored bound forward is not a foreign patch: reinstalling works
+    assert mlp.install_h3_mlp_patches(mp, 48)["conflicts"] == []
+
+
 def test_class_level_foreign_patch_is_reported_not_bypassed(monkeypatch):
     dm = _tiny_h3()
-    p = StandInPatcher(dm)
+    p = _model_patcher(dm)
 
     orig = h3.MLP.forward
 
@@ -510,34 +669,33 @@ def test_class_level_foreign_patch_is_reported_not_bypassed(monkeypatch):
     assert p.object_patches == {}
 
 
-def test_patched_tiny_h3_mlp_chunked_through_object_patch():
+def test_mlp_forward_of_another_form_is_not_patched(monkeypatch):
+    """A ComfyUI whose MLP.forward differs from the one-line form reproduced here (e.g. adds a
+    residual) keeps its own MLPs, with the reason reported."""
     dm = _tiny_h3()
-    for mod in dm.modules():
-        if isinstance(mod, torch.nn.Linear):
-            _init_linear(mod, torch.bfloat16, 4)
-    p = StandInPatcher(dm)
+    p = _model_patcher(dm)
+    assert mlp._forward_is_mirrored(h3.MLP)
+    ns = {}
+    exec("def forward(self, x):\n"
+         "    return comfy.ops.linear_input_act(self.fc2, self.fc1(x), 'swiglu') + x\n", vars(h3), ns)
+    changed = ns["forward"]
+    changed.__qualname__, changed.__module__ = h3.MLP.forward.__qualname__, h3.MLP.forward.__module__
+    monkeypatch.setattr(h3.MLP, "forward", changed)
+    r = mlp.install_h3_mlp_patches(p, 64)
+    assert r["patched"] == 0 and r["conflicts"] == [] and "not the" in r["skipped"]
+    assert p.object_patches == {}
+
+
+def test_patched_tiny_h3_mlp_chunked_through_object_patch():
+    dm = _tiny_h3(seed=4)
+    p = _model_patcher(dm)
     mlp.install_h3_mlp_patches(p, 48)
-    p.patch()
+    p.patch_model()
     mod = dm.token_refiner.blocks[0].mlp
     x = _x(200)
     chunks0 = mlp.MLP_STATS.chunks
     with torch.no_grad():
         y = mod(x)
-    p.unpatch()
+    p.unpatch_model()
     assert mlp.MLP_STATS.chunks == chunks0 + 5
-    assert torch.equal(y, _unpatched(mod, x))
-
-
-def test_real_model_patcher_if_available():
-    try:
-        import comfy.model_patcher
-    except Exception as e:
-        print(f"\n[test_mlp_comfy] skipped: comfy.model_patcher does not import here: {e!r}")
-        pytest.skip(f"comfy.model_patcher does not import here (needs torchvision): {e!r}")
-    dm = _tiny_h3()
-    base = torch.nn.Module()
-    base.diffusion_model = dm
-    mp = comfy.model_patcher.ModelPatcher(base, torch.device("cpu"), torch.device("cpu"))
-    r = mlp.install_h3_mlp_patches(mp, 64)
-    assert r["patched"] == H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
-    assert mlp.install_h3_mlp_patches(mp, 64)["patched"] == r["patched"]
+    _check_equal(y, mod, x, 48)

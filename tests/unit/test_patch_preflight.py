@@ -51,7 +51,8 @@ def _rt(monkeypatch):
     monkeypatch.setattr(patch_mod, "runtime", lambda: NO_SAGE)
     if "comfy.patcher_extension" not in sys.modules:   # ComfyUI's WrappersMP, as at 0.3.75/0dd9b154
         ext = types.ModuleType("comfy.patcher_extension")
-        ext.WrappersMP = type("WrappersMP", (), {"DIFFUSION_MODEL": "diffusion_model"})
+        ext.WrappersMP = type("WrappersMP", (), {"DIFFUSION_MODEL": "diffusion_model",
+                                                 "OUTER_SAMPLE": "outer_sample"})
         monkeypatch.setitem(sys.modules, "comfy", sys.modules.get("comfy") or types.ModuleType("comfy"))
         monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
     report.reset()
@@ -64,6 +65,7 @@ def test_clone_not_mutated_and_override_installed():
     assert "optimized_attention_override" not in m.model_options["transformer_options"]
     assert isinstance(out.model_options["transformer_options"]["optimized_attention_override"], SafeAttention)
     assert "SageAttention not used: package not installed" in summary["text"]
+    assert "auto picked PyTorch SDPA because no sage-family kernel is usable" in summary["text"]
     assert summary["mlp"]["patched"] == 0 and summary["mlp"]["skipped"]
 
 
@@ -74,6 +76,25 @@ def test_idempotent_on_a_patched_model():
     assert isinstance(to["optimized_attention_override"], SafeAttention)
     assert not s2["warnings"]
     assert [len(w) for w in m2.wrappers["diffusion_model"].values()] == [1]
+
+
+def test_fences_are_drained_when_sampling_ends_even_if_it_raises(monkeypatch):
+    from safe_ops import fences as fences_mod
+    m, _ = patch_mod.apply_safesage(FakePatcher())
+    (outer,), = m.wrappers["outer_sample"].values()
+    drained = []
+    monkeypatch.setattr(fences_mod.GLOBAL_FENCES, "drain", lambda: drained.append(1) or 0)
+
+    def sampling(*a, **k):
+        raise KeyboardInterrupt("user pressed cancel")
+
+    with pytest.raises(KeyboardInterrupt):
+        outer(sampling, 1, 2)
+    assert drained == [1]
+    assert outer(lambda x: x * 2, 21) == 42 and drained == [1, 1]
+    # the per-forward wrapper only polls
+    (poll,), = m.wrappers["diffusion_model"].values()
+    assert poll(lambda: "out") == "out" and drained == [1, 1]
 
 
 def test_foreign_override_is_reported():

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Set up the GPU box (the device tool's H200) for bench/ runs. Not used by CI or by the pack.
+# Source it from the repo root:   source bench/device_setup.sh
+# Inputs, all git-ignored and carried by the device call (never committed):
+#   .whl/*.whl                  comfy-aimdo 0.4.13, torchsde 0.2.6, trampoline 0.1.2 (pip download, cp312)
+#   .gpu/ck226.tar.xz           comfy-kitchen 0.2.26 (ComfyUI 0dd9b154's pin) minus its HIP backend
+#   .gpu/ck240.tar.xz           comfy-kitchen 0.2.40 (has int8_attention), same trim
+#   .gpu/ComfyUI-0dd9b154.tgz   ../shared/comfyui's tarball (unpacks to c0dd/)
+#   .gpu/SageAttention-2.2.0-src.tgz  ../shared/sageattention's tarball (unpacks to sage22/)
+#   .gpu/sage22-*.tar.xz        a finished sage 2.2.0 build (from ss_pack_sage), if carried
+# Functions:
+#   ss_base                 wheels -> /tmp/site (PYTHONPATH), ComfyUI -> /tmp/comfy/c0dd ($SS_COMFY)
+#   ss_kitchen 226|240      that comfy-kitchen into /tmp/ck<ver> and on PYTHONPATH (before /tmp/site)
+#   ss_build_sage ARCH TAG  background build of sage 2.2.0 for TORCH_CUDA_ARCH_LIST=ARCH into
+#                           /tmp/sage-TAG (log /tmp/sage-TAG.log, done marker /tmp/sage-TAG.ok)
+#   ss_sage TAG             put /tmp/sage-TAG (built here or unpacked from .gpu/sage22-TAG.tar.xz) first
+#                           on PYTHONPATH
+#   ss_pack_sage TAG DEST   tar.xz the build (compiled extensions + Python files) to DEST
+set -u
+SS_ROOT="$(pwd)"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+
+ss_base() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$SS_ROOT"/.whl/*.whl || return 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    if [ ! -d /tmp/comfy/c0dd ] && [ -f "$SS_ROOT/.gpu/ComfyUI-0dd9b154.tgz" ]; then
+        mkdir -p /tmp/comfy && tar -C /tmp/comfy -xzf "$SS_ROOT/.gpu/ComfyUI-0dd9b154.tgz" || return 1
+    fi
+    export SS_COMFY=/tmp/comfy/c0dd
+}
+
+ss_kitchen() {
+    local v=$1
+    if [ ! -d /tmp/ck$v/comfy_kitchen ]; then
+        mkdir -p /tmp/ck$v && tar -C /tmp/ck$v -xJf "$SS_ROOT/.gpu/ck$v.tar.xz" || return 1
+    fi
+    export PYTHONPATH=/tmp/ck$v:$PYTHONPATH
+}
+
+ss_build_sage() {
+    local arch=$1 tag=$2 src=/tmp/sage-src-$2
+    rm -rf "$src" /tmp/sage-$tag /tmp/sage-$tag.ok && mkdir -p "$src"
+    tar -C "$src" -xzf "$SS_ROOT/.gpu/SageAttention-2.2.0-src.tgz" || return 1
+    ( cd "$src/sage22" && TORCH_CUDA_ARCH_LIST="$arch" EXT_PARALLEL=${SS_EXT_PARALLEL:-4} MAX_JOBS=${SS_MAX_JOBS:-4} \
+        setsid nohup bash -c "python3 -m pip install --no-build-isolation --no-deps --no-cache-dir --target /tmp/sage-$tag . \
+        > /tmp/sage-$tag.log 2>&1 && touch /tmp/sage-$tag.ok" >/dev/null 2>&1 & )
+}
+
+ss_sage() {
+    local tag=$1
+    if [ ! -d /tmp/sage-$tag/sageattention ] && [ -f "$SS_ROOT/.gpu/sage22-$tag.tar.xz" ]; then
+        mkdir -p /tmp/sage-$tag && tar -C /tmp/sage-$tag -xJf "$SS_ROOT/.gpu/sage22-$tag.tar.xz" || return 1
+    fi
+    [ -d /tmp/sage-$tag/sageattention ] || { echo "no sage build $tag" >&2; return 1; }
+    export PYTHONPATH=/tmp/sage-$tag:$PYTHONPATH
+}
+
+ss_pack_sage() {
+    tar -C /tmp/sage-$1 -cf - . | xz -T8 -6 > "$2"
+}

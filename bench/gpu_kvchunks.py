@@ -1,0 +1,520 @@
+"""H200 runs for issue 11: every sage-2 family and comfy-kitchen at H3 shapes, kv_chunks through
+SafeAttention, the comfy-kitchen boundary probe and the 99,866-token guarded/in-limit ratio.
+
+    python bench/gpu_kvchunks.py --out bench/results/kvchunks_h200.json          # ~5-6 min on an H200
+    python bench/gpu_kvchunks.py --quick --out /tmp/kvchunks_quick.json          # ~2-3 min
+    python bench/gpu_kvchunks.py --update-table bench/results/kvchunks_h200.json  # -> kernel_table.json
+
+Sections (``--only a,b``): ``families`` (time + rel. L2 of each sage-2 family, comfy-kitchen
+int8 and SDPA; TFLOP/s rows for kernel_table.json), ``kvchunks`` (the kv_chunks plan with the
+real sage 2.2 kernels vs the same kernel's unchunked plan), ``ck_probe`` (where comfy-kitchen's
+int8_attention starts refusing or failing), ``guard`` (guarded/in-limit at 99,866 tokens).
+Every section runs in its own child process (an illegal memory access poisons the CUDA
+context) and every family inside it in try/except, with the error recorded.
+
+Inputs are MiniMax H3's: q/k/v are strided [1,56,S,128] views of one [S, 3*56*128] bf16
+buffer (random normal values). Relative L2 is measured against PyTorch SDPA on a slice of
+query rows (the first and last ``ROWS`` rows, all heads, all keys): the full SDPA output at
+314k tokens is slow and large, and the last rows are where index wrap-around shows.
+Timings: CUDA events, median of ``--reps`` after one warm-up, interleaved.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+HEADS, D = 56, 128
+ROWS = 1024
+SAGE2_FAMILIES = ("sage2_sm80", "sage2_sm89_fp8pv", "sage2_fp8pv_perwarp", "sage2_sm90")
+SM120_KV_RULE = 150_000     # envelope_sage2.FP8_SM120_MAX_KV_LEN: the rule kv_chunks exists for
+
+
+def env_info() -> dict:
+    import importlib.metadata as md
+    info = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "arch": ("sm_%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for pkg in ("sageattention", "comfy-kitchen", "triton"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    try:
+        import sageattention
+        info["sageattention_file"] = sageattention.__file__
+    except Exception as e:  # noqa: BLE001
+        info["sageattention_import_error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
+def h3_buffer(S: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(S, 3 * HEADS * D, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def h3_views(buf: torch.Tensor, S: int | None = None):
+    S = S or buf.shape[0]
+    return [t.view(S, HEADS, D).transpose(0, 1).unsqueeze(0) for t in buf[:S].split(HEADS * D, -1)]
+
+
+def row_index(S: int) -> torch.Tensor:
+    n = min(ROWS, S // 2)
+    return torch.cat([torch.arange(0, n), torch.arange(S - n, S)]).cuda()
+
+
+def sdpa_rows(q, k, v, idx) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q[:, :, idx], k, v)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def time_ms(fns: dict, reps: int, warm: bool = True) -> dict:
+    """Median CUDA-event ms of each fn, interleaved (warm-up once each unless already warm)."""
+    if warm:
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            o = fn()
+            b.record()
+            torch.cuda.synchronize()
+            del o
+            times[name].append(a.elapsed_time(b))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def _noop(*a, **k):
+    raise AssertionError("unreachable: the override handles every call here")
+
+
+def flops(S: int) -> float:
+    return 4.0 * S * S * HEADS * D
+
+
+def kernels() -> dict:
+    """Every family that can run here: name -> safe_ops Kernel (errors recorded by the caller)."""
+    from safe_ops.attention import sage2_kernel
+    out = {}
+    for fam in SAGE2_FAMILIES:
+        k = sage2_kernel(fam)
+        if k is not None:
+            out[fam] = k
+    try:
+        from safe_ops.attention import ck_kernel
+        ck = ck_kernel()
+        if ck is not None:
+            out[ck.family] = ck
+    except Exception:  # noqa: BLE001  (older checkout without the ck family)
+        pass
+    return out
+
+
+def guarded(kern, policy=None):
+    from safe_ops.attention import SafeAttention
+    from safe_ops.policy import Policy
+    from safe_ops.runtime import runtime
+    return SafeAttention(policy or Policy(kernel="sage", verify="off"), kernels=[kern], rt=runtime())
+
+
+# ---------------------------------------------------------------------- families
+def sec_families(args) -> dict:
+    """Each family at H3 shapes: the guarded call on the strided views (the plan the planner
+    picks for that family alone) and the raw kernel on in-limit inputs (contiguous NHD copies);
+    SDPA on the views. TFLOP/s use the in-limit time, as kernel_table.json always has."""
+    from safe_ops import report
+    rows = []
+    ks = kernels()
+    for S in args.sizes:
+        torch.cuda.empty_cache()
+        buf = h3_buffer(S)
+        q, k, v = h3_views(buf)
+        idx = row_index(S)
+        ref = sdpa_rows(q, k, v, idx)
+        t_sdpa = time_ms({"sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)}, args.reps)["sdpa"]
+        row = {"S": S, "sdpa_ms": t_sdpa, "tflops": {"sdpa": flops(S) / t_sdpa / 1e9}, "families": {}}
+        nhd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]        # [1,S,56,128] contiguous
+        for fam, kern in ks.items():
+            r = {"tolerance": kern.tolerance}
+            try:
+                report.reset()
+                att = guarded(kern)
+                g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+                o = g()
+                torch.cuda.synchronize()
+                r["plan"] = next(iter(report.PLANS.values()), "")
+                r["rel_l2_vs_sdpa"] = rel_l2(o[:, :, idx], ref)
+                r["finite"] = bool(torch.isfinite(o).all())
+                del o
+                kin = lambda: kern.fn(*nhd, "NHD", None)  # noqa: E731
+                t = time_ms({"guarded": g, "inlimit": kin}, args.reps)
+                r.update(guarded_ms=t["guarded"], inlimit_kernel_ms=t["inlimit"],
+                         guarded_over_inlimit=t["guarded"] / t["inlimit"],
+                         tflops_inlimit=flops(S) / t["inlimit"] / 1e9, tflops_guarded=flops(S) / t["guarded"] / 1e9)
+                row["tflops"][fam] = r["tflops_inlimit"]
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {e}"
+                r["traceback"] = traceback.format_exc()[-1500:]
+            row["families"][fam] = r
+            print(S, fam, json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:400], flush=True)
+            torch.cuda.synchronize()
+        rows.append(row)
+        del buf, q, k, v, nhd, ref
+    # kernel_table.json entry: median over sizes (families with a number at every size)
+    import statistics
+    fams = set.intersection(*(set(r["tflops"]) for r in rows)) if rows else set()
+    entry = {f: round(statistics.median(r["tflops"][f] for r in rows), 1) for f in sorted(fams)}
+    # only families whose output is right may order `auto`
+    bad = {f for r in rows for f, x in r["families"].items()
+           if "error" in x or not x.get("finite", False) or x.get("rel_l2_vs_sdpa", 1) > x["tolerance"]}
+    return {"rows": rows, "kernel_table_tflops": {f: t for f, t in entry.items() if f not in bad},
+            "excluded_from_table": sorted(bad), "sizes": args.sizes}
+
+
+# ---------------------------------------------------------------------- kvchunks
+def with_kv_rule(kern, limit: int):
+    """``kern`` with sm_120's key-length rule added (what makes the planner chunk keys)."""
+    import dataclasses
+
+    from safe_ops.attention import Kernel
+    from safe_ops.envelope_sage2 import KvLenRule
+    env = kern.envelope
+    env = dataclasses.replace(env, family=env.family,
+                              extra_rules=env.extra_rules + (KvLenRule(env.family, limit, "issue 11 bench",
+                                                                       "sm_120 rule applied on the H200"),))
+    return Kernel(env, kern.fn, kern.tolerance, kern.fn_lse)
+
+
+def sec_kvchunks(args) -> dict:
+    """kv_chunks through SafeAttention with the real sage 2.2 kernel: the family's envelope plus
+    sm_120's key-length rule (kv_len < 150,000) makes the planner chunk the keys, exactly as on an
+    RTX 5090; the reference is the same kernel's unchunked plan (the envelope without that rule)."""
+    from safe_ops import report
+    out = []
+    ks = kernels()
+    for i, fam in enumerate(args.kv_families):
+        if fam not in ks:
+            out.append({"family": fam, "error": "not available here"})
+            continue
+        kern = ks[fam]
+        chunked = with_kv_rule(kern, SM120_KV_RULE)
+        for S in (args.kv_sizes if i == 0 else args.kv_sizes_more):
+            r = {"family": fam, "S": S}
+            try:
+                torch.cuda.empty_cache()
+                buf = h3_buffer(S)
+                q, k, v = h3_views(buf)
+                idx = row_index(S)
+                ref = sdpa_rows(q, k, v, idx)
+                report.reset()
+                a_kv, a_ref = guarded(chunked), guarded(kern)
+                f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+                f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+                # first call of each: plan, warm-up, output for rel. L2 and measured peak memory
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                o = f_kv()
+                torch.cuda.synchronize()
+                r["peak_extra_kv"] = torch.cuda.max_memory_allocated() - base
+                p_kv = next(iter(a_kv._prepared.values())).plan
+                r.update(plan_kv=p_kv.describe(False), kv_chunk=p_kv.kv_chunk, kind=p_kv.kind,
+                         rel_l2_kv=rel_l2(o[:, :, idx], ref), finite_kv=bool(torch.isfinite(o).all()))
+                del o
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                o = f_ref()
+                torch.cuda.synchronize()
+                r["peak_extra_ref"] = torch.cuda.max_memory_allocated() - base
+                p_ref = next(iter(a_ref._prepared.values())).plan
+                r.update(plan_ref=p_ref.describe(False), rel_l2_ref=rel_l2(o[:, :, idx], ref))
+                del o
+                fns = {"kv": f_kv, "ref": f_ref}
+                # the same kernel on in-limit inputs made beforehand (contiguous NHD copies), where
+                # such inputs exist for this family at S
+                from safe_ops.envelope import AttnCall, TensorDesc, check
+                nd = TensorDesc.contiguous((1, HEADS, S, D), "NHD")
+                if not check(AttnCall(nd, nd, nd, "bfloat16", "NHD"), kern.envelope):
+                    nhd = [t_.transpose(1, 2).contiguous() for t_ in (q, k, v)]
+                    fns["inlimit"] = lambda: kern.fn(*nhd, "NHD", None)  # noqa: E731
+                    fns["inlimit"]()
+                t = time_ms(fns, args.kv_reps, warm=False)
+                if "inlimit" in t:
+                    r.update(inlimit_kernel_ms=t["inlimit"], kv_over_inlimit=t["kv"] / t["inlimit"],
+                             ref_over_inlimit=t["ref"] / t["inlimit"])
+                    del nhd
+                r.update(kv_ms=t["kv"], ref_ms=t["ref"], kv_over_ref=t["kv"] / t["ref"],
+                         predicted_peak_kv=p_kv.peak_bytes, predicted_peak_ref=p_ref.peak_bytes,
+                         output_bytes=q.numel() * q.element_size())
+                del buf, q, k, v, ref
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {e}"
+                r["traceback"] = traceback.format_exc()[-1500:]
+            out.append(r)
+            print(json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:600], flush=True)
+    return {"rows": out, "kv_rule": SM120_KV_RULE}
+
+
+# ---------------------------------------------------------------------- ck probe
+def sec_ck_probe(args) -> dict:
+    """Where comfy-kitchen's int8_attention refuses (an exception) or goes wrong, per layout.
+
+    Key side: 256 query rows against S keys (cheap); query side: S query rows against 256 keys.
+    Layouts of the long tensor: H3's strided view, contiguous HND, contiguous NHD seen as HND.
+    Bisects the first S that raises; checks rel. L2 vs SDPA at the last passing S and at a few
+    fixed sizes."""
+    import comfy_kitchen as ck
+    res = {"version": getattr(ck, "__version__", None), "probes": []}
+    smax = args.ck_max
+    flat = torch.empty(HEADS * smax * D, device="cuda", dtype=torch.bfloat16).normal_()
+    h3 = h3_buffer(smax, seed=1)
+    short = torch.randn(1, HEADS, 256, D, device="cuda", dtype=torch.bfloat16)
+
+    def long_tensor(layout: str, S: int, which: int = 0):
+        if layout == "strided":
+            return h3_views(h3, S)[which]
+        if layout == "hnd":
+            return torch.as_strided(flat, (1, HEADS, S, D), (HEADS * S * D, S * D, D, 1))
+        return torch.as_strided(flat, (1, HEADS, S, D), (S * HEADS * D, D, HEADS * D, 1))
+
+    def attempt(side: str, layout: str, S: int) -> tuple[bool, str, float | None]:
+        L = long_tensor(layout, S)
+        if side == "kv":
+            q, k, v = short, L, (long_tensor(layout, S, 2) if layout == "strided" else L)
+        else:
+            q, k, v = L, short, short
+        try:
+            o = ck.int8_attention(q, k, v)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            return False, f"{type(e).__name__}: {e}", None
+        if side == "kv":
+            ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            err = rel_l2(o, ref)
+        else:
+            idx = row_index(S)
+            ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, idx], k, v)
+            err = rel_l2(o[:, :, idx], ref)
+        return True, "", err
+
+    for side in ("kv", "q"):
+        for layout in ("strided", "hnd", "nhd"):
+            p = {"side": side, "layout": layout}
+            try:
+                lo, hi = 1024, smax
+                ok_hi, msg_hi, err_hi = attempt(side, layout, hi)
+                if ok_hi:
+                    p.update(first_failing=None, passes_up_to=hi, rel_l2_at_max=err_hi)
+                else:
+                    ok_lo, msg_lo, _ = attempt(side, layout, lo)
+                    if not ok_lo:
+                        p.update(first_failing=f"<= {lo}", error=msg_lo)
+                    else:
+                        while hi - lo > 1:
+                            mid = (lo + hi) // 2
+                            if attempt(side, layout, mid)[0]:
+                                lo = mid
+                            else:
+                                hi = mid
+                        ok, _, err_lo = attempt(side, layout, lo)
+                        p.update(first_failing=hi, last_passing=lo, error=attempt(side, layout, hi)[1],
+                                 rel_l2_at_last_passing=err_lo)
+                p["rel_l2_at"] = {}
+                for S in (38_000, 99_865, 99_866, 169_000, 299_520, 299_521):
+                    if S <= smax:
+                        ok, msg, err = attempt(side, layout, S)
+                        p["rel_l2_at"][S] = err if ok else msg
+            except Exception as e:  # noqa: BLE001
+                p["error"] = f"{type(e).__name__}: {e}"
+                p["traceback"] = traceback.format_exc()[-1500:]
+            res["probes"].append(p)
+            print(json.dumps({k_: v_ for k_, v_ in p.items() if k_ != "traceback"})[:600], flush=True)
+    return res
+
+
+# ---------------------------------------------------------------------- guard
+def sec_guard(args) -> dict:
+    """Guarded call (SafeAttention, the runtime's sage kernel, the planner's plan) vs the same
+    kernel on in-limit inputs made beforehand (contiguous copies in the plan's layout), at the
+    first length past the strided limit; interleaved, median of ``--guard-reps``."""
+    from safe_ops import report
+    from safe_ops.attention import sage_kernel
+    from safe_ops.runtime import runtime
+    rt = runtime()
+    rows = []
+    fams = [rt.sage_family] + [f for f in args.guard_families if f != rt.sage_family]
+    ks = kernels()
+    for fam in fams:
+        kern = sage_kernel(rt) if fam == rt.sage_family else ks.get(fam)
+        r = {"family": fam, "S": args.guard_S}
+        if kern is None:
+            r["error"] = rt.sage_error or "not available"
+            rows.append(r)
+            continue
+        try:
+            S = args.guard_S
+            buf = h3_buffer(S)
+            q, k, v = h3_views(buf)
+            report.reset()
+            att = guarded(kern)
+            g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+            g()
+            plan = next(iter(att._prepared.values())).plan
+            lay = plan.layout
+            if lay == "NHD":
+                ins = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+            else:
+                ins = [t.contiguous() for t in (q, k, v)]
+            kin = lambda: kern.fn(*ins, lay, None)  # noqa: E731
+            t = time_ms({"guarded": g, "inlimit": kin}, args.guard_reps)
+            r.update(plan=plan.describe(False), guarded_ms=t["guarded"], inlimit_kernel_ms=t["inlimit"],
+                     guarded_over_inlimit=t["guarded"] / t["inlimit"])
+            del buf, q, k, v, ins
+        except Exception as e:  # noqa: BLE001
+            r["error"] = f"{type(e).__name__}: {e}"
+            r["traceback"] = traceback.format_exc()[-1500:]
+        rows.append(r)
+        print(json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:600], flush=True)
+        torch.cuda.empty_cache()
+    return {"rows": rows}
+
+
+def update_table(result_path: str, table_path: str) -> dict:
+    """Merge a run's measured TFLOP/s (``families`` section: families whose output was right)
+    into safe_ops/kernel_table.json under the run's arch; families not re-measured are kept."""
+    with open(result_path) as f:
+        res = json.load(f)
+    fam = res.get("sections", {}).get("families", {})
+    if not fam.get("kernel_table_tflops"):
+        raise SystemExit(f"{result_path}: no measured families section (error: {fam.get('error') or fam.get('stderr_tail')})")
+    arch = res["env"]["arch"]
+    with open(table_path) as f:
+        table = json.load(f)
+    entry = table.setdefault("archs", {}).setdefault(arch, {})
+    tflops = dict(entry.get("tflops", {}))
+    tflops.update(fam["kernel_table_tflops"])
+    sources = [x for x in str(entry.get("source", "")).split(" | ") if x]
+    rel = os.path.relpath(os.path.abspath(result_path), ROOT)
+    sources.append(f"{rel} (families: {', '.join(sorted(fam['kernel_table_tflops']))}): {res['env']['command']}")
+    entry.update(gpu=res["env"]["gpu"], tflops={k: tflops[k] for k in sorted(tflops)},
+                 sizes=sorted(set(entry.get("sizes", [])) | set(fam["sizes"])), source=" | ".join(sources))
+    with open(table_path, "w") as f:
+        json.dump(table, f, indent=2)
+        f.write("\n")
+    return entry
+
+
+SECTIONS = {"families": sec_families, "kvchunks": sec_kvchunks, "ck_probe": sec_ck_probe, "guard": sec_guard}
+
+
+def run_section(name: str, argv: list[str], timeout: int) -> dict:
+    tmp = f"/tmp/safesage_kv_{name}_{os.getpid()}.json"
+    if os.path.exists(tmp):
+        os.remove(tmp)
+    t0 = time.time()
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", tmp] + argv,
+                           capture_output=True, text=True, timeout=timeout)
+        rc, err, outp = p.returncode, p.stderr, p.stdout
+    except subprocess.TimeoutExpired as e:
+        rc, err, outp = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""), ""
+    sys.stdout.write(outp or "")
+    res = {"returncode": rc, "seconds": round(time.time() - t0, 1)}
+    if rc != 0:
+        res["stderr_tail"] = (err or "").strip().splitlines()[-15:]
+    if os.path.exists(tmp):
+        with open(tmp) as f:
+            res.update(json.load(f))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes, families and repetitions (~2-3 min)")
+    ap.add_argument("--only", default="families,kvchunks,ck_probe,guard")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--sizes", default="38000,100000,169000")
+    ap.add_argument("--kv-sizes", default="169000,230000,314437")
+    ap.add_argument("--kv-reps", type=int, default=2)
+    ap.add_argument("--kv-sizes-more", default="314437", help="sizes for the 2nd and later --kv-families")
+    # per_warp is sm_120's kernel; sm89_fp8pv has the Triton per_thread quantiser (sageattn on
+    # sm_89). sage2_sm90 as built on the H200 computes garbage (HAZARDS.md), so not by default.
+    ap.add_argument("--kv-families", default="sage2_fp8pv_perwarp,sage2_sm89_fp8pv")
+    ap.add_argument("--ck-max", type=int, default=320_000)
+    ap.add_argument("--guard-S", type=int, default=99_866)
+    ap.add_argument("--guard-reps", type=int, default=7)
+    ap.add_argument("--guard-families", default="sage2_sm89_fp8pv",
+                    help="besides the runtime's own sage family; sm89_fp8pv needs a q copy at 99,866 "
+                         "(per_warp runs direct there: nothing to measure)")
+    ap.add_argument("--section-timeout", type=int, default=420)
+    ap.add_argument("--update-table", metavar="RESULT_JSON",
+                    help="merge RESULT_JSON's measured TFLOP/s into safe_ops/kernel_table.json and exit (no GPU)")
+    ap.add_argument("--child")
+    ap.add_argument("--child-out")
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.guard_reps, args.kv_reps = 1, 3, 1
+        args.sizes, args.kv_sizes = "38000,169000", "169000,314437"
+        args.kv_families = "sage2_fp8pv_perwarp"
+    args.sizes = [int(x) for x in str(args.sizes).split(",") if x]
+    args.kv_sizes = [int(x) for x in str(args.kv_sizes).split(",") if x]
+    args.kv_sizes_more = [int(x) for x in str(args.kv_sizes_more).split(",") if x]
+    args.kv_families = [x for x in str(args.kv_families).split(",") if x]
+    args.guard_families = [x for x in str(args.guard_families).split(",") if x]
+    if args.update_table:
+        entry = update_table(args.update_table, os.path.join(ROOT, "safe_ops", "kernel_table.json"))
+        print(json.dumps(entry, indent=1))
+        return
+    if args.child:
+        try:
+            res = SECTIONS[args.child](args)
+        except Exception as e:  # noqa: BLE001
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2000:]}
+        with open(args.child_out, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        return
+    if not torch.cuda.is_available():
+        print("gpu_kvchunks: needs a CUDA GPU (none visible); nothing measured.")
+        sys.exit(2)
+    res = {"env": env_info(), "quick": args.quick, "sections": {}}
+    child_argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif not a.startswith("--out="):
+            child_argv.append(a)
+    for name in [x for x in args.only.split(",") if x]:
+        print(f"== {name}", flush=True)
+        res["sections"][name] = run_section(name, child_argv, args.section_timeout)
+        if args.out:          # write as we go: a later crash keeps what was measured
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+    print(json.dumps(res, default=str)[:3000])
+
+
+if __name__ == "__main__":
+    main()

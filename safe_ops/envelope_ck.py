@@ -1,0 +1,162 @@
+"""comfy-kitchen's ``int8_attention`` (what ComfyUI's ``--use-ck-attention`` runs) as kernel families.
+
+Read from the comfy-kitchen 0.2.40 wheel (``comfy_kitchen/sage_attention.py``; citations
+``ck0.2.40:sage_attention.py:LINE``) and from the public comfy-kitchen sources of its CUDA
+launchers (the wheel ships them compiled only; the check messages below are the strings in
+0.2.40's ``backends/cuda/_C.abi3.so``).
+
+What ``int8_attention(q, k, v, scale=None, attn_mask=None)`` does (sage_attention.py:597-636 ->
+``_int8_attention_cuda`` :208-317):
+
+* takes ``[B, H, L, D]`` tensors with any strides, last dim contiguous (:191-192), fp32/fp16/bf16
+  (:23, :159-160), GQA (:185-188), any head_dim <= 256 (:189-190; 64/128/256 run in place,
+  others are zero-padded into fresh copies, :218-229);
+* allocates its own contiguous HND int8 copies of q and k (:260-261), a packed V
+  ``[B*H_kv*D, ceil(L_k / cta_k) * cta_k]`` int8 (:277-282, cta_k = 128 for D >= 128 and
+  L_k > 1024 without a mask, else 64, :57-65), fp32 scales (:263-283) and the output
+  ``[B, H, L_q, D]`` (:286-288);
+* runs everything on torch's current stream (:295) and returns no LSE (no such argument) --
+  so key/value chunks cannot be merged: past a limit only head groups and query chunks apply.
+
+The limits are host-side checks that raise ``std::overflow_error`` (a Python exception,
+nothing launched):
+
+* 0.2.29-0.2.39 (comfy-kitchen #178: "tensor strides exceed int32 range", first failing key
+  length 299,521 at 56x128 on an RTX 5090): the batch strides of its own int8 copies must fit
+  int32 -- ``H_q*L_q*D``, ``H_kv*L_k*D`` and ``H_kv*D*pad(L_k)`` (the packed V; pad to cta_k is
+  why 299,520 passes and 299,521 fails). Evaluated per call, batch size 1 included.
+* 0.2.40: the launcher computes batch/head bases in 64 bits when they pass uint32 and checks
+  only within-head offsets (``L_q*D``, ``L_k*D``, ``D*pad(L_k)``, ``L_q*D`` for the output:
+  "sage_attn: within-head offsets exceed int32 range") plus "sage_attn: within-head strides
+  exceed int32 range" -- taken here as the caller's token and channel strides fitting int32.
+  At 56x128 that is ~16.7M tokens per head: no H3 length reaches it. The GPU boundary probe
+  (bench/gpu_kvchunks.py ``ck_probe``) measures where 0.2.40 really refuses.
+
+Unknown versions (< 0.2.29 has no ``int8_attention``; newer than 0.2.40 unread) get the
+0.2.29 rules too (conservative: they only cost head groups).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .envelope import I32_MAX, AttnCall, Envelope, Violation, register
+
+SRC = "ck0.2.40:comfy_kitchen/sage_attention.py"
+CK_ISSUE = "comfy-kitchen #178"
+LAUNCHER = "comfy-kitchen sage_attn_launcher.cu launch_sage_attn_kernel ('within-head offsets' check)"
+
+
+def _cite(line: str) -> str:
+    return f"{SRC}:{line}"
+
+
+def kernel_head_dim(d: int) -> int:
+    """The tile width the kernel runs (sage_attention.py:219-224)."""
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def cta_k(d: int, kv_len: int, has_mask: bool = False) -> int:
+    """Key tile (sage_attention.py:57-65)."""
+    return 128 if (not has_mask and kernel_head_dim(d) >= 128 and kv_len > 1024) else 64
+
+
+def packed_v_len(call: AttnCall) -> int:
+    c = cta_k(call.head_dim, call.kv_len, call.has_mask)
+    return -(-call.kv_len // c) * c
+
+
+@dataclass(frozen=True)
+class CkStrideRule:
+    """comfy-kitchen's own int32 checks, evaluated on the call (rule "index": head groups and
+    query chunks fix them -- each product is per launch)."""
+    family: str
+    batch_strides: bool          # 0.2.29-0.2.39: int8 copies' batch strides must fit int32
+
+    def __call__(self, call: AttnCall) -> list[Violation]:
+        b, h, lq, _ = call.q.shape
+        hk, lk = call.kv_heads, call.kv_len
+        dk = kernel_head_dim(call.head_dim)
+        pad = packed_v_len(call)
+        out: list[Violation] = []
+
+        def over(value: int, tensor: str, axis: str, what: str, cite: str) -> None:
+            if value > I32_MAX:
+                out.append(Violation(self.family, "index", what, tensor=tensor, axis=axis,
+                                     value=value, limit=I32_MAX, cite=cite))
+
+        if self.batch_strides:
+            cite = f"{CK_ISSUE} (sage_sdpa's int32 stride check); {_cite('260-282')}"
+            over(h * lq * dk, "q_int8", "b", f"q_int8 batch stride {h}x{lq:,}x{dk} > int32", cite)
+            over(hk * lk * dk, "k_int8", "b", f"k_int8 batch stride {hk}x{lk:,}x{dk} > int32", cite)
+            over(hk * dk * pad, "v_int8", "b", f"packed V batch stride {hk}x{dk}x{pad:,} > int32", cite)
+        cite = f"{LAUNCHER}; {_cite('260-288')}"
+        over(lq * dk, "q_int8", "s", f"within-head offset {lq:,}x{dk} > int32", cite)
+        over(lk * dk, "k_int8", "s", f"within-head offset {lk:,}x{dk} > int32", cite)
+        over(dk * pad, "v_int8", "d", f"within-head offset {dk}x{pad:,} > int32", cite)
+        for name in ("q", "k", "v"):
+            t = getattr(call, name)
+            for ax, i in (("s", 2), ("d", 3)):
+                over(t.stride[i], name, ax, f"{name} stride({i}) {t.stride[i]:,} > int32",
+                     "comfy-kitchen 0.2.40 _C.abi3.so: 'sage_attn: within-head strides exceed int32 range'")
+        return out
+
+
+def _temp_bytes(call: AttnCall) -> int:
+    b, h, lq, d = call.q.shape
+    hk, lk = call.kv_heads, call.kv_len
+    dk = kernel_head_dim(d)
+    c = cta_k(d, lk, call.has_mask)
+    pad = packed_v_len(call)
+    n = b * h * lq * dk + b * hk * lk * dk + b * hk * dk * pad            # int8 q, k, packed v
+    n += 4 * (b * h * (-(-lq // 128)) * (64 if dk == 256 else 32))       # q_scale :263-269
+    n += 4 * (b * hk * (-(-lk // c)) * 4 + b * hk * dk) + 4 * b * hk     # k_scale, v_scale, anchors
+    out_elt = 2                                                           # fp16/bf16 out (:285)
+    n += out_elt * b * h * lq * dk
+    if dk != d:
+        n += call.elt_bytes * (b * h * lq * dk + 2 * b * hk * lk * dk)   # padded copies (:225-229)
+    if call.dtype == "float32":
+        n += 4 * b * h * lq * d                                          # output.float() (:317)
+    return n
+
+
+def _envelope(family: str, batch_strides: bool, note: str) -> Envelope:
+    return register(Envelope(
+        family=family,
+        source=f"comfy-kitchen int8_attention ({SRC}; {CK_ISSUE})",
+        head_dims=(64, 128, 256),            # run in place; others are padded copies (:218-229)
+        dtypes=("float16", "bfloat16", "float32"),
+        supports_mask=False,                 # it takes attn_mask, but SafeAttention sends masks to SDPA
+        terms=(),
+        extra_rules=(CkStrideRule(family, batch_strides),),
+        launches_on_legacy_stream=False,     # current stream (:295)
+        temp_bytes=_temp_bytes,
+        returns_lse=False,                   # no LSE: no kv_chunks
+        note=note,
+    ))
+
+
+CK_INT8 = _envelope("ck_int8", False,
+                    "comfy-kitchen >= 0.2.40 int8_attention: 64-bit batch/head bases, int32 within-head offsets.")
+CK_INT8_PRE240 = _envelope("ck_int8_pre240", True,
+                           "comfy-kitchen 0.2.29-0.2.39 int8_attention: every int8 copy's batch stride must "
+                           "fit int32 (comfy-kitchen #178: 299,521 keys at 56x128 raise OverflowError).")
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    out = []
+    for part in (v or "").split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def ck_family_for(version: str | None) -> str | None:
+    """Envelope family of comfy-kitchen ``version``'s int8_attention; None if it has none."""
+    v = _version_tuple(version or "")
+    if not v:
+        return None
+    if v < (0, 2, 29):
+        return None                                   # no int8_attention before 0.2.29
+    return "ck_int8" if v[:3] == (0, 2, 40) else "ck_int8_pre240"
