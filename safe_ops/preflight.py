@@ -176,7 +176,7 @@ class Verdict:
     mlp_bytes: int = 0
     mlp_unchunked_bytes: int = 0
     order: list = field(default_factory=list)          # kernel preference order of the policy
-    measured: bool = False                             # order from the measured kernel table
+    choice: str = ""                                   # runtime.explain_auto's line for it
 
 
 def _arch_name(arch) -> str:
@@ -229,7 +229,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     import torch
 
     from .mlp import resolve_chunk
-    from .runtime import Runtime, measured_order
+    from .runtime import Runtime, explain_auto
     _register_sage2()
     v = Verdict(sc, S)
     call = h3_attention_call(S, arch=_arch_name(sc.arch))
@@ -241,7 +241,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
         v.safe_up_to = _safe_up_to(fam)
     rt = Runtime("", None, sc.label, sc.arch, sc.sage_version, fam, None, None, None, None)
     order = v.order = _candidates(policy, rt, fam, comfy_wants_sage)
-    v.measured = measured_order(rt.arch_name, ["sdpa"]) is not None
+    v.choice = explain_auto(rt, [fam] if fam else [], "sage" if comfy_wants_sage else None, policy.kernel)
     v.plan = choose(call, [FAMILIES[f] for f in order if f in FAMILIES], sc.budget_bytes)
     out_bytes = S * H3_HEADS * H3_HEAD_DIM * call.elt_bytes
     v.attn_bytes = v.plan.extra_bytes + (v.plan.kernel_temp_bytes or out_bytes)
@@ -297,12 +297,9 @@ def verdict_lines(v: Verdict) -> tuple[list[str], list[str]]:
     else:
         lines.append(f"  limits: none crossed at {S:,} tokens"
                      + (f" (safe up to {v.safe_up_to:,})" if v.safe_up_to else ""))
-    why = ""
-    if v.plan.kernel == "sdpa" and not v.plan.reasons:
-        why = (" (kernel policy 'sdpa')" if v.order == ["sdpa"] else
-               " (measured faster than SageAttention on this GPU)" if v.measured else
-               " (ComfyUI is not set to use SageAttention: --use-sage-attention, or kernel 'sage')")
-    lines.append(f"  each attention call ({H3_LAYERS} blocks) runs: {v.plan.describe(reasons=False)}{why}")
+    if v.choice:
+        lines.append(f"  kernel choice: {v.choice}")
+    lines.append(f"  each attention call ({H3_LAYERS} blocks) runs: {v.plan.describe(reasons=False)}")
     mlp = (f"MLP {v.mlp_chunk:,} tokens per chunk, {_fmt_gib(v.mlp_bytes)} (unchunked up to "
            f"{_fmt_gib(v.mlp_unchunked_bytes)})" if v.mlp_chunk < S else
            f"MLP unchunked, up to {_fmt_gib(v.mlp_unchunked_bytes)}")
@@ -326,8 +323,8 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
     policy = policy or Policy()
     rt = rt or runtime()
     if comfy_wants_sage is None:
-        from .patch import _comfy_uses_sage
-        comfy_wants_sage = _comfy_uses_sage()
+        from .runtime import comfy_attention_choice
+        comfy_wants_sage = comfy_attention_choice() == "sage"
     t = comfy_h3_tokens(width, height, length, ref_images, text_tokens) or \
         h3_tokens(width, height, length, ref_images, text_tokens)
     S = t.total
@@ -368,19 +365,21 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
     return {"text": "\n".join(lines), "tokens": t, "warnings": warnings, "verdicts": verdicts}
 
 
-def limits_lines(rt, policy, comfy_wants_sage: bool = False) -> list[str]:
+def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
     """Short lines for the SafeSage Attention node's status: up to how many H3 tokens this
-    GPU's sage kernel runs as called, and the plan for the reporter's 169k-token graph."""
+    GPU's sage kernel runs as called, and the plan for the reporter's 1664x960x362 graph."""
     _register_sage2()
+    if comfy_wants_sage is None:
+        from .runtime import comfy_attention_choice
+        comfy_wants_sage = comfy_attention_choice() == "sage"
     S = h3_tokens(1664, 960, 362, ref_images=3).total
     out = []
     for sc in scenarios_for(rt)[:1] if rt.arch is not None else []:
         if sc.family not in FAMILIES:
             continue
-        up = _safe_up_to(sc.family)
         v = verdict(S, sc, policy, comfy_wants_sage)
         out.append(f"H3 attention on {sc.family}: as called it is safe up to "
-                   + (f"{up:,} tokens" if up else "any length checked (2,000,000)")
+                   + (f"{v.safe_up_to:,} tokens" if v.safe_up_to else "any length checked (2,000,000)")
                    + f"; at {S:,} tokens (1664x960x362, 3 refs) the call runs: {v.plan.describe(reasons=False)}")
     out.append("SafeSage Preflight (model/patch/attention) reports, for any H3 size before you queue it, "
                "the kernel limits it crosses and the plan SafeSage runs"

@@ -57,7 +57,8 @@ def test_reporters_size_on_cpu_reports_common_gpus(comfy):
     # the sage 1.x / 2.2 int32 limit of H3's strided views, and the sm_120 length rule
     assert "safe up to 99,865" in text and "safe up to 149,999" in text
     warnings = [l for l in text.splitlines() if l.startswith("WARNING: 173,062 tokens: ")]
-    assert any("sm_120" in w and "plan: sdpa" in w for w in warnings), warnings
+    assert any("sage2_sm120_fp8pv on sm_120 would cross its limits (length, safe up to 149,999)" in w
+               and "plan: " in w and "plan: direct" not in w for w in warnings), warnings
     assert any("sage1_triton on sm_89" in w and "plan: repack" in w for w in warnings), warnings
     assert "MLP 6,912 tokens per chunk" in text and "predicted peak" in text
     assert "model: not connected" in text
@@ -96,7 +97,8 @@ def test_preflight_takes_the_safesage_nodes_settings(comfy, tiny_sd2):
     assert "kernel policy: sdpa; mlp_chunking: tokens (4,096 tokens)" in text
     assert "MLP 4,096 tokens per chunk" in text
     runs = [l for l in text.splitlines() if "each attention call" in l]
-    assert runs and all("sdpa on sdpa" in l and "kernel policy 'sdpa'" in l for l in runs), runs
+    assert runs and all("runs: sdpa on sdpa" in l for l in runs), runs
+    assert text.count("kernel choice: kernel 'sdpa': PyTorch SDPA for every call, as asked") == len(runs)
     # the SafeSage Attention node's own status carries the preflight pointer
     status = _text(entry, "10")
     assert status.startswith("SafeSage: ") and "SafeSage Preflight" in status

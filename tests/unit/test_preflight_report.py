@@ -47,8 +47,12 @@ def test_gpu_without_sage_also_shows_sage22():
     assert labels == ["this GPU: NVIDIA GeForce RTX 5090 (sm_120)",
                       "this GPU: NVIDIA GeForce RTX 5090 (sm_120) with sageattention 2.2 installed"]
     assert r["verdicts"][0].plan.kernel == "sdpa" and "sageattention not usable" in r["text"]
-    assert r["verdicts"][1].safe_up_to == 149_999          # the sm_120 fp8 length rule
-    assert r["verdicts"][1].plan.kernel == "sdpa" and r["verdicts"][1].plan.reasons
+    v = r["verdicts"][1]
+    assert v.safe_up_to == 149_999 and v.violations[0].rule == "length"     # the sm_120 fp8 length rule
+    assert v.plan.kind != "direct"                                          # whatever the planner returns
+    assert any(w.startswith("173,062 tokens: SageAttention 2.2.0 -> sage2_sm120_fp8pv on sm_120 would cross "
+                            "its limits (length, safe up to 149,999)") and w.endswith(v.plan.describe(reasons=False))
+               for w in r["warnings"]), r["warnings"]
 
 
 def test_cpu_reports_common_gpus_and_sage_versions():
