@@ -54,3 +54,23 @@ def require():
             f"{_IMPORT_ERROR}. {FIX_HINT}"
         ) from _IMPORT_ERROR
     return Policy, apply_safesage, report
+
+
+def preflight_limits(policy) -> list[str]:
+    """The SafeSage Attention node's preflight lines; a failure here never fails the node."""
+    try:
+        from ..safe_ops.preflight import limits_lines
+        from ..safe_ops.runtime import runtime
+        return limits_lines(runtime(), policy)
+    except Exception as e:  # noqa: BLE001 - status text only
+        log.warning("SafeSage: preflight lines unavailable: %s: %s", type(e).__name__, e)
+        return [f"(preflight unavailable: {type(e).__name__}: {e})"]
+
+
+def preflight(width: int, height: int, length: int, ref_images: int, text_tokens: int, model=None) -> dict:
+    """The SafeSage Preflight node: safe_ops.preflight.preflight_report with the connected model's
+    SafeSage settings (if any) and a note when the model is not MiniMax H3."""
+    require()
+    from ..safe_ops.preflight import model_context, preflight_report
+    policy, note = model_context(model)
+    return preflight_report(width, height, length, ref_images, text_tokens, policy=policy, model_note=note)

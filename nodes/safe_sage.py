@@ -114,7 +114,48 @@ class SafeSageAttention(io.ComfyNode):
             raise RuntimeError("SafeSage internal error: safe_ops patched the input model in place instead of a clone.")
         # safe_ops logs this text itself; here it only goes to the node (ui.PreviewText).
         text = str((summary or {}).get("text") or "SafeSage: model patched (no status text).")
+        text += "\n" + "\n".join(_backend.preflight_limits(policy))
         return io.NodeOutput(patched, ui=ui.PreviewText(text))
 
 
-NODES = [SafeSageAttention]
+TIP_SIZE = "Of the MiniMax H3 video you plan to render (as on the H3 latent / reference-to-video node)."
+TIP_LENGTH = "Frame count at 24 fps, as on the H3 node; H3 snaps it up to its 17k+5 frame grid."
+TIP_REFS = ("Reference images of a reference-to-video graph (ref_image_size 'match'): each adds about one "
+            "frame's worth of tokens.")
+TIP_TEXT = "Prompt tokens after the text encoder (varies with the prompt; 256 is typical)."
+TIP_PF_MODEL = ("Optional. Connect the SafeSage Attention node's MODEL to report with its settings (kernel, "
+                "mlp_chunking); a model that is not MiniMax H3 is reported as such.")
+
+
+class SafeSagePreflight(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="SafeSagePreflight",
+            display_name="SafeSage Preflight (MiniMax H3 size check)",
+            category="model/patch/attention",
+            description=(
+                "Before you queue a long MiniMax H3 render: the packed token count of that size (ComfyUI's "
+                "own formula), which limits of the SageAttention kernel on this GPU it crosses, the plan "
+                "SafeSage runs for each attention call, the MLP chunk size and the predicted memory of "
+                "both. Without a GPU it reports common GPUs. Runs no model."
+            ),
+            inputs=[
+                io.Int.Input("width", default=1664, min=32, max=16384, step=32, tooltip=TIP_SIZE),
+                io.Int.Input("height", default=960, min=32, max=16384, step=32, tooltip=TIP_SIZE),
+                io.Int.Input("length", default=362, min=5, max=3600, step=1, tooltip=TIP_LENGTH),
+                io.Int.Input("ref_images", default=0, min=0, max=16, tooltip=TIP_REFS),
+                io.Int.Input("text_tokens", default=256, min=0, max=8192, tooltip=TIP_TEXT),
+                io.Model.Input("model", optional=True, tooltip=TIP_PF_MODEL),
+            ],
+            outputs=[io.String.Output("report"), io.Int.Output("tokens")],
+            is_output_node=True,
+        )
+
+    @classmethod
+    def execute(cls, *, width, height, length, ref_images, text_tokens, model=None) -> io.NodeOutput:
+        r = _backend.preflight(int(width), int(height), int(length), int(ref_images), int(text_tokens), model)
+        return io.NodeOutput(r["text"], int(r["tokens"].total), ui=ui.PreviewText(r["text"]))
+
+
+NODES = [SafeSageAttention, SafeSagePreflight]

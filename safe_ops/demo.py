@@ -11,9 +11,10 @@
    envelope.
 4. The token-chunked H3 SwiGLU MLP against the unchunked one.
 
-No model download, no ComfyUI. Exit status 0 when every check passed. Run
-from a Python without torch, it prepares a private venv with torch under
-~/.cache/safesage/demo-venv first (never touching your own environments).
+No model download, no ComfyUI. Exit status 0 when every check passed. It needs
+a Python with torch (ComfyUI's own); on a machine without one, run
+``python3 tools/demo.py`` from a git checkout: it prepares a private venv with
+torch first (tools/ is not part of the registry archive).
 """
 from __future__ import annotations
 
@@ -22,41 +23,21 @@ import dataclasses
 import sys
 import time
 
-import os
-import subprocess
-
-
-def _bootstrap_and_reexec() -> None:  # pragma: no cover - only on a machine without torch
-    """No torch in this Python: build a private venv with torch and rerun the demo there.
-
-    The user's own environments are never touched; the venv lives under
-    ~/.cache/safesage/demo-venv and is reused next time.
-    """
-    venv = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                        "safesage", "demo-venv")
-    py = os.path.join(venv, "bin", "python")
-    if os.environ.get("SAFESAGE_DEMO_BOOTSTRAPPED"):
-        sys.exit("SafeSage demo: torch is still missing after the bootstrap; install torch and retry.")
-    print(f"SafeSage demo: this Python has no torch; preparing {venv} (one time) ...", file=sys.stderr)
-    try:
-        if not os.path.exists(py):
-            subprocess.check_call([sys.executable, "-m", "venv", venv])
-        if subprocess.call([py, "-c", "import torch"], stderr=subprocess.DEVNULL) != 0:
-            # the CPU build where one is available; any torch otherwise
-            if subprocess.call([py, "-m", "pip", "install", "-q", "torch==2.13.0"]) != 0:
-                subprocess.check_call([py, "-m", "pip", "install", "-q", "torch"])
-    except (OSError, subprocess.CalledProcessError) as e:
-        sys.exit(f"SafeSage demo needs PyTorch and could not install it ({e}). Run it with ComfyUI's "
-                 "Python, which ships torch: <ComfyUI python> -m safe_ops.demo")
-    env = dict(os.environ, SAFESAGE_DEMO_BOOTSTRAPPED="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.exit(subprocess.call([py, "-m", "safe_ops.demo", *sys.argv[1:]], cwd=root, env=env))
-
+NO_TORCH = (
+    "SafeSage demo: this Python has no torch. Run it with ComfyUI's own Python, which ships torch:\n"
+    "    <ComfyUI python> -m safe_ops.demo\n"
+    "or, from a git checkout of the pack on a machine without torch:\n"
+    "    python3 tools/demo.py\n"
+    "which prepares a private venv with torch under ~/.cache/safesage/demo-venv (one time, your own "
+    "environments are not touched) and runs the demo there."
+)
 
 try:
     import torch
 except ImportError:  # pragma: no cover - a fresh machine without torch
-    _bootstrap_and_reexec()
+    if __name__ == "__main__":
+        sys.exit(NO_TORCH)
+    raise
 
 from . import report
 from .attention import Kernel, SafeAttention, sage_kernel

@@ -1,6 +1,7 @@
 // SafeSage frontend extension: plain ES module, no build step.
 //  - Shows the status text that SafeSageAttention returns (runtime, kernel choice, MLP
-//    patches, warnings) in a read-only box on the node after it runs.
+//    patches, warnings), and the report of SafeSagePreflight, in a read-only box on the node
+//    after it runs.
 //  - "SafeSage: show run statistics" (Extensions menu, and the node's right-click menu)
 //    fetches GET /safesage/stats and shows it on every SafeSage node.
 // Everything is defensive: a frontend without some API simply gets less, never an error.
@@ -8,6 +9,7 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const NODE_TYPE = "SafeSageAttention";
+const TEXT_NODE_TYPES = [NODE_TYPE, "SafeSagePreflight"]; // nodes whose ui text is shown on them
 const STATUS = "safesage_status";
 const STATS_CMD = "SafeSage.ShowStats";
 
@@ -17,8 +19,8 @@ function statusWidget(node) {
   if (typeof node.addDOMWidget === "function") {
     const el = document.createElement("textarea");
     el.readOnly = true;
-    el.rows = 6;
-    el.style.cssText = "width:100%;font:11px monospace;opacity:0.85;resize:vertical;white-space:pre;";
+    el.rows = 8;
+    el.style.cssText = "width:100%;font:11px monospace;opacity:0.85;resize:vertical;white-space:pre-wrap;overflow-wrap:anywhere;";
     w = node.addDOMWidget(STATUS, "safesage_status", el, {
       serialize: false, // not a node input: never sent in the prompt
       getValue: () => el.value,
@@ -82,7 +84,7 @@ app.registerExtension({
   menuCommands: [{ path: ["Extensions", "SafeSage"], commands: [STATS_CMD] }],
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (nodeData?.name !== NODE_TYPE) return;
+    if (!TEXT_NODE_TYPES.includes(nodeData?.name)) return;
 
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
@@ -92,6 +94,7 @@ app.registerExtension({
       return r;
     };
 
+    if (nodeData.name !== NODE_TYPE) return;
     const getExtraMenuOptions = nodeType.prototype.getExtraMenuOptions;
     nodeType.prototype.getExtraMenuOptions = function (canvas, options) {
       const r = getExtraMenuOptions?.apply(this, arguments);

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 try:
@@ -239,6 +240,17 @@ class ComfyServer:
         if r.returncode != 0:
             raise RuntimeError("tiny_models.py %s failed:\n%s\n%s" % (kind, r.stdout, r.stderr[-4000:]))
         return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def running_pack_server(base: Path, name: str = "comfy"):
+    """A started server with this pack and the test nodes in its custom_nodes; stopped on exit."""
+    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE / "test_nodes"}, name=name)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
 
 
 def execution_error(entry: dict) -> dict | None:

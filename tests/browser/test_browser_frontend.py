@@ -1,0 +1,165 @@
+"""The pack in ComfyUI's real frontend (comfyui-frontend-package), driven in headless Debian chromium.
+
+One page on a headless ComfyUI (--cpu) of its own (tests/browser/conftest.py): the node is added from the node search box
+(double-click on the canvas, type, Enter), wired between a tiny SD2 UNet loader and KSampler and
+queued from the frontend; the status text SafeSageAttention returns must appear in the box on the
+node, and the "SafeSage: show run statistics" command (Extensions menu) must put the numbers of
+GET /safesage/stats there. Skipped, with the reason, without chromium, playwright or the frontend
+package (`bash .ci/setup_browser.sh <venv python>` installs them), or without a ComfyUI tree.
+Marked `browser`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from browser import hide_overlays, open_comfy
+from comfy_graphs import sd2_graph
+from comfy_server import REPO, has_minimax_h3
+
+pytestmark = pytest.mark.browser
+
+# SAFESAGE_UPDATE_SCREENSHOTS=1 rewrites the README's screenshot; otherwise it goes to pytest's tmp dir
+SCREENSHOT = REPO / "docs" / "safesage_node_in_comfyui.png"
+NAME = "minimax_h3_ref2va_safesage"
+STATUS_JS = """(type) => {
+    const n = app.graph._nodes.find((x) => x.type === (type || 'SafeSageAttention'));
+    const w = n?.widgets?.find((x) => x.name === 'safesage_status');
+    return w ? (w.safesageElement ? w.safesageElement.value : w.value) ?? '' : null;
+}"""
+# the status box as the user sees it: a visible <textarea> inside the page
+VISIBLE_STATUS_JS = """(prefix) => [...document.querySelectorAll('textarea')].some((t) => {
+    const r = t.getBoundingClientRect();
+    return t.value.startsWith(prefix) && r.width > 50 && r.height > 20 && t.offsetParent !== null
+        && r.right > 0 && r.bottom > 0 && r.left < innerWidth && r.top < innerHeight;
+})"""
+
+
+@pytest.fixture(scope="module")
+def page(comfy, tiny_sd2):
+    console: list[str] = []
+    t0 = time.monotonic()
+    with open_comfy(comfy.url, console) as p:
+        print("\n[browser] frontend loaded in %.1f s" % (time.monotonic() - t0))
+        p.safesage_console = console
+        yield p
+
+
+def _add_node_from_search(page, query: str, display_name: str) -> None:
+    """Double-click an empty part of the canvas, type into the node search box, take the hit."""
+    page.evaluate("() => { app.canvas.ds.offset = [-6000, -6000]; app.canvas.setDirty(true, true); }")
+    page.mouse.dblclick(800, 450)
+    page.keyboard.type(query, delay=20)
+    page.get_by_text(display_name).first.wait_for(timeout=15_000)
+    page.keyboard.press("Enter")
+    page.wait_for_function("(t) => app.graph._nodes.some((n) => n.type === t)", arg=query.replace(" ", ""),
+                           timeout=15_000)
+    # a frontend that lets the new node follow the cursor ("ghost" node) places it on a click
+    page.wait_for_timeout(600)     # the search dialog's closing animation
+    page.mouse.move(700, 400, steps=5)
+    page.mouse.click(700, 400)
+    page.wait_for_function("(t) => !app.graph._nodes.find((n) => n.type === t).flags?.ghost",
+                           arg=query.replace(" ", ""), timeout=10_000)
+
+
+def _wait_queue_empty(comfy, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        q = comfy.get_json("/queue")
+        if not q["queue_running"] and not q["queue_pending"]:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the prompt queued from the frontend did not finish; log tail:\n" + comfy.log_tail())
+
+
+def _show_stats_from_menu(page) -> None:
+    """ComfyUI logo menu > Extensions > SafeSage > "SafeSage: show run statistics" (the menu entry
+    web/safesage.js registers for its command; same path in frontend 1.32.9 and 1.48.6)."""
+    page.locator(".comfyui-logo").first.click(timeout=10_000)
+    page.get_by_role("menuitem", name="Extensions").first.hover(timeout=10_000)
+    page.get_by_role("menuitem", name="SafeSage").first.hover(timeout=10_000)
+    page.get_by_role("menuitem", name="SafeSage: show run statistics").first.click(timeout=10_000)
+
+
+def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
+    t0 = time.monotonic()
+    graph = sd2_graph("safesage_tiny_sd2.safetensors", seed, "browser_sd2")
+    page.evaluate("async (g) => { await app.loadApiJson(g, 'safesage_browser'); }", graph)
+    _add_node_from_search(page, "SafeSage Attention", "SafeSage Attention (MiniMax H3 safe)")
+    # wire loader -> SafeSage -> KSampler and lay the graph out; then queue it with the Run button
+    page.evaluate("""() => {
+        const by = (t) => app.graph._nodes.find((n) => n.type === t);
+        const loader = by('UNETLoader'), ss = by('SafeSageAttention'), ks = by('KSampler');
+        loader.connect(0, ss, 0);
+        ss.connect(0, ks, 0);
+        const pf = LiteGraph.createNode('SafeSagePreflight');   // reports with SafeSage's settings
+        app.graph.add(pf);
+        ss.connect(0, pf, pf.findInputSlot('model'));
+        const pos = {UNETLoader: [0, 0], SafeSageAttention: [0, 150], LotusConditioning: [620, 0],
+                     ConditioningZeroOut: [620, 100], EmptyLatentImage: [620, 200], KSampler: [920, 0],
+                     SafeSageTestSaveLatent: [1260, 0], SafeSagePreflight: [620, 330]};
+        for (const n of app.graph._nodes) if (pos[n.type]) n.pos = pos[n.type];
+        ss.size = [580, 330];
+        pf.size = [590, 430];
+        app.canvas.ds.scale = 1; app.canvas.ds.offset = [90, 130];
+        app.canvas.setDirty(true, true);
+    }""")
+    prompt = page.evaluate("async () => (await app.graphToPrompt()).output")
+    ss_id = next(k for k, v in prompt.items() if v["class_type"] == "SafeSageAttention")
+    assert prompt[ss_id]["inputs"]["model"][0] == next(k for k, v in prompt.items() if v["class_type"] == "UNETLoader")
+    assert next(v for v in prompt.values() if v["class_type"] == "KSampler")["inputs"]["model"] == [ss_id, 0]
+    assert prompt[ss_id]["inputs"]["mlp_chunk_tokens"] == 16384 and prompt[ss_id]["inputs"]["kernel"] == "auto"
+    assert "safesage_status" not in prompt[ss_id]["inputs"]
+    pf = next(v for v in prompt.values() if v["class_type"] == "SafeSagePreflight")
+    assert pf["inputs"]["model"] == [ss_id, 0] and pf["inputs"]["width"] == 1664
+
+    before = comfy.safesage_stats()
+    page.get_by_role("button", name="Run", exact=True).first.click(timeout=10_000)   # the queue button
+    page.wait_for_function("() => (%s)()?.startsWith('SafeSage: ')" % STATUS_JS, timeout=240_000)
+    status = page.evaluate(STATUS_JS)
+    assert "kernel policy 'auto'" in status and "SafeSage Preflight" in status, status
+    assert page.evaluate(VISIBLE_STATUS_JS, "SafeSage: "), "status text not visible on the node"
+    _wait_queue_empty(comfy)
+    report = page.evaluate("(t) => (%s)(t)" % STATUS_JS, "SafeSagePreflight")
+    assert report.startswith("SafeSage preflight: MiniMax H3, 1664x960, 362 frames"), report
+    assert "settings from the SafeSage Attention node" in report and "NOT MiniMax H3" in report
+    assert page.evaluate(VISIBLE_STATUS_JS, "SafeSage preflight: "), "preflight report not visible"
+    after = comfy.safesage_stats()
+    assert after["attention_calls"] > before["attention_calls"]
+    hide_overlays(page)
+    page.wait_for_timeout(500)
+    shot = SCREENSHOT if os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1" else tmp_path / SCREENSHOT.name
+    page.screenshot(path=str(shot), clip={"x": 70, "y": 90, "width": 1240, "height": 800})
+
+    _show_stats_from_menu(page)
+    page.wait_for_function("() => (%s)()?.startsWith('run statistics (/safesage/stats)')" % STATUS_JS,
+                          timeout=30_000)
+    shown = page.evaluate(STATUS_JS)
+    stats = json.loads(shown.split("\n", 1)[1])
+    assert stats["attention_calls"] == comfy.safesage_stats()["attention_calls"] > 0
+    assert stats["plans"] and "fallback_reasons" in stats
+    assert page.evaluate(VISIBLE_STATUS_JS, "run statistics (/safesage/stats)")
+    # the extension's own complaints (it logs with a "[SafeSage]" prefix) and uncaught errors in it
+    errors = [l for l in page.safesage_console
+              if (l.startswith(("error:", "warning:")) and "[SafeSage]" in l)
+              or (l.startswith("pageerror:") and "safesage" in l.lower())]
+    assert not errors, errors
+    print("[browser] node search -> queue -> status -> stats in %.1f s" % (time.monotonic() - t0))
+
+
+def test_frontend_converts_the_ui_example_to_the_api_copy(page, comfy):
+    """ComfyUI's own frontend loads the UI template and turns it into the API copy's prompt."""
+    if not has_minimax_h3():
+        pytest.skip("the H3 example's node types need a ComfyUI with MiniMax H3 (0dd9b154 or later)")
+    ui = json.loads((REPO / "example_workflows" / (NAME + ".json")).read_text())
+    api = json.loads((REPO / "example_workflows" / "api" / (NAME + ".json")).read_text())
+    got = page.evaluate("async (wf) => { await app.loadGraphData(wf); return (await app.graphToPrompt()).output; }", ui)
+    assert sorted(got) == sorted(api)
+    for nid, node in api.items():
+        assert got[nid]["class_type"] == node["class_type"]
+        for name, value in node["inputs"].items():
+            assert got[nid]["inputs"][name] == value, (nid, name)

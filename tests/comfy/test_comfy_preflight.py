@@ -1,0 +1,104 @@
+"""SafeSage Preflight on a real headless ComfyUI (--cpu), and the preflight lines of the
+SafeSage Attention node's status text.
+
+The token count the node reports comes from ComfyUI's own H3 code where the tree has H3
+(0dd9b154: temporal_shape + PackedLayout); safe_ops.preflight.h3_tokens is SafeSage's copy of
+that arithmetic for ComfyUI versions without H3. On an H3 tree these tests compare the two on
+the same inputs (sizes that are and are not multiples of 32, with and without references).
+"""
+
+from __future__ import annotations
+
+from comfy_graphs import SAFESAGE_DEFAULTS
+from comfy_server import has_minimax_h3
+
+from safe_ops.preflight import h3_tokens
+
+PF_DEFAULTS = {"width": 1664, "height": 960, "length": 362, "ref_images": 0, "text_tokens": 256}
+
+
+def _preflight_graph(model=None, **inputs):
+    g = {"1": {"class_type": "SafeSagePreflight", "inputs": {**PF_DEFAULTS, **inputs}}}
+    if model is not None:
+        g.update(model)
+        g["1"]["inputs"]["model"] = ["10", 0]
+    return g
+
+
+def _text(entry, node_id="1") -> str:
+    t = entry["outputs"][node_id]["text"]
+    return "\n".join(t) if isinstance(t, list) else str(t)
+
+
+def _tokens(text: str) -> int:
+    line = next(l for l in text.splitlines() if l.startswith("packed tokens: "))
+    return int(line.split()[2].replace(",", ""))
+
+
+def test_preflight_in_object_info(comfy):
+    node = comfy.object_info()["SafeSagePreflight"]
+    req = node["input"]["required"]
+    assert list(req) == ["width", "height", "length", "ref_images", "text_tokens"]
+    assert node["input"]["optional"]["model"][0] == "MODEL"
+    assert node["output"] == ["STRING", "INT"]
+    assert node["output_node"] is True
+    for name, spec in {**req, **node["input"]["optional"]}.items():
+        assert spec[1].get("tooltip"), "input %r has no tooltip" % name
+
+
+def test_reporters_size_on_cpu_reports_common_gpus(comfy):
+    entry = comfy.run(_preflight_graph(ref_images=3, text_tokens=256))
+    text = _text(entry)
+    assert _tokens(text) == h3_tokens(1664, 960, 362, ref_images=3, text_tokens=256).total == 173_062
+    assert "no CUDA device here" in text
+    for arch in ("sm_89", "sm_90", "sm_120"):
+        assert "[%s" % arch in text, arch
+    assert "sageattention 2.2.0 -> sage2_sm120_fp8pv" in text and "sageattention 1.0.6 -> sage1_triton" in text
+    # the sage 1.x / 2.2 int32 limit of H3's strided views, and the sm_120 length rule
+    assert "safe up to 99,865" in text and "safe up to 149,999" in text
+    warnings = [l for l in text.splitlines() if l.startswith("WARNING: 173,062 tokens: ")]
+    assert any("sage2_sm120_fp8pv on sm_120 would cross its limits (length, safe up to 149,999)" in w
+               and "plan: " in w and "plan: direct" not in w for w in warnings), warnings
+    assert any("sage1_triton on sm_89" in w and "plan: repack" in w for w in warnings), warnings
+    assert "MLP 6,912 tokens per chunk" in text and "predicted peak" in text
+    assert "model: not connected" in text
+
+
+def test_small_size_crosses_nothing(comfy):
+    text = _text(comfy.run(_preflight_graph(width=1344, height=768, length=124)))
+    assert _tokens(text) == h3_tokens(1344, 768, 124).total
+    assert "limits: none crossed" in text and "WARNING" not in text
+
+
+def test_token_count_is_comfyuis_own(comfy):
+    """On a tree with H3 the node counts with ComfyUI's code; SafeSage's copy must agree."""
+    sizes = [(1664, 960, 362, 3), (1280, 720, 121, 0), (976, 560, 200, 1), (1000, 1000, 40, 2), (64, 64, 5, 0)]
+    for w, h, n, refs in sizes:
+        text = _text(comfy.run(_preflight_graph(width=w, height=h, length=n, ref_images=refs, text_tokens=77)))
+        assert _tokens(text) == h3_tokens(w, h, n, ref_images=refs, text_tokens=77).total, (w, h, n, refs)
+        if has_minimax_h3():
+            assert "counted with ComfyUI's own H3 code" in text, text.splitlines()[1]
+        else:
+            assert "counted with SafeSage's copy" in text
+
+
+def test_preflight_takes_the_safesage_nodes_settings(comfy, tiny_sd2):
+    model = {
+        "9": {"class_type": "UNETLoader", "inputs": {"unet_name": "safesage_tiny_sd2.safetensors",
+                                                    "weight_dtype": "default"}},
+        "10": {"class_type": "SafeSageAttention",
+               "inputs": {"model": ["9", 0], **SAFESAGE_DEFAULTS, "kernel": "sdpa", "mlp_chunking": "tokens",
+                          "mlp_chunk_tokens": 4096}},
+    }
+    entry = comfy.run(_preflight_graph(model=model, length=363))
+    text = _text(entry)
+    assert "settings from the SafeSage Attention node" in text
+    assert "NOT MiniMax H3 (UNetModel)" in text
+    assert "kernel policy: sdpa; mlp_chunking: tokens (4,096 tokens)" in text
+    assert "MLP 4,096 tokens per chunk" in text
+    runs = [l for l in text.splitlines() if "each attention call" in l]
+    assert runs and all("runs: sdpa on sdpa" in l for l in runs), runs
+    assert text.count("kernel choice: kernel 'sdpa': PyTorch SDPA for every call, as asked") == len(runs)
+    # the SafeSage Attention node's own status carries the preflight pointer
+    status = _text(entry, "10")
+    assert status.startswith("SafeSage: ") and "SafeSage Preflight" in status

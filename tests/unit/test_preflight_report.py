@@ -1,0 +1,153 @@
+"""safe_ops.preflight's report (the SafeSage Preflight node) on given runtimes: this GPU, no GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from safe_ops import preflight as pf
+from safe_ops.policy import Policy
+from safe_ops.runtime import Runtime
+
+REPO = Path(__file__).resolve().parents[2]
+H200_SAGE22 = Runtime("2.13", "13.0", "NVIDIA H200", (9, 0), "2.2.0", "sage2_sm90", None, "native", True, "0.30.0")
+RTX5090_NO_SAGE = Runtime("2.13", "13.0", "NVIDIA GeForce RTX 5090", (12, 0), None, None,
+                          "package not installed", "native", True, "0.30.0")
+CPU = Runtime("2.13", None, None, None, None, None, "package not installed", None, None, None)
+GiB = 2 ** 30
+
+
+def _report(rt, **kw):
+    return pf.preflight_report(1664, 960, 362, ref_images=3, rt=rt, comfy_wants_sage=True, **kw)
+
+
+def test_this_gpu_with_sage22():
+    r = _report(H200_SAGE22, free_bytes=80 * GiB, policy=Policy(kernel="sage"))
+    (v,) = r["verdicts"]
+    assert v.scenario.label == "this GPU: NVIDIA H200 (sm_90)" and v.S == 173_062
+    assert v.violations and v.safe_up_to == 99_865
+    assert v.plan.kernel == "sage2_sm90" and v.plan.kind != "direct"
+    assert "runs: " + v.plan.describe(reasons=False) in r["text"]      # the planner's own words
+    assert any(w.startswith("173,062 tokens: SageAttention 2.2.0 -> sage2_sm90 on sm_90") for w in r["warnings"])
+    assert v.mlp_chunk < v.S and v.mlp_bytes < v.mlp_unchunked_bytes
+
+
+def test_budget_and_memory_warning_follow_free_memory():
+    tight = _report(H200_SAGE22, free_bytes=2 * GiB, policy=Policy(kernel="sage"))
+    assert any("exceed the 2.00 GiB free now" in w for w in tight["warnings"])
+    (v,) = tight["verdicts"]
+    assert v.plan.extra_bytes <= 1 * GiB          # the plan budget is half the free memory
+
+
+def test_gpu_without_sage_also_shows_sage22():
+    r = _report(RTX5090_NO_SAGE, free_bytes=24 * GiB)
+    labels = [v.scenario.label for v in r["verdicts"]]
+    assert labels == ["this GPU: NVIDIA GeForce RTX 5090 (sm_120)",
+                      "this GPU: NVIDIA GeForce RTX 5090 (sm_120) with sageattention 2.2 installed"]
+    assert r["verdicts"][0].plan.kernel == "sdpa" and "sageattention not usable" in r["text"]
+    v = r["verdicts"][1]
+    assert v.safe_up_to == 149_999 and v.violations[0].rule == "length"     # the sm_120 fp8 length rule
+    assert v.plan.kind != "direct"                                          # whatever the planner returns
+    assert any(w.startswith("173,062 tokens: SageAttention 2.2.0 -> sage2_sm120_fp8pv on sm_120 would cross "
+                            "its limits (length, safe up to 149,999)") and w.endswith(v.plan.describe(reasons=False))
+               for w in r["warnings"]), r["warnings"]
+
+
+def test_cpu_reports_common_gpus_and_sage_versions():
+    r = _report(CPU)
+    got = {(v.scenario.arch, v.scenario.sage_version, v.scenario.family) for v in r["verdicts"]}
+    assert got == {((8, 9), "2.2.0", "sage2_sm89_fp8pv"), ((8, 9), "1.0.6", "sage1_triton"),
+                   ((9, 0), "2.2.0", "sage2_sm90"), ((9, 0), "1.0.6", "sage1_triton"),
+                   ((12, 0), "2.2.0", "sage2_sm120_fp8pv"), ((12, 0), "1.0.6", "sage1_triton")}
+    assert "no CUDA device here" in r["text"]
+
+
+def test_policy_changes_the_plan_and_the_mlp_chunk():
+    sdpa = _report(H200_SAGE22, free_bytes=80 * GiB, policy=Policy(kernel="sdpa", mlp_chunking="off"))
+    (v,) = sdpa["verdicts"]
+    assert v.plan.kind == "sdpa" and v.mlp_chunk == v.S and "MLP unchunked" in sdpa["text"]
+    fixed = _report(H200_SAGE22, free_bytes=80 * GiB, policy=Policy(mlp_chunking="tokens", mlp_chunk_tokens=4096))
+    assert fixed["verdicts"][0].mlp_chunk == 4096
+
+
+def test_comfy_count_absent_without_comfyui():
+    """Outside ComfyUI (a fresh process with only the repository on the path) ComfyUI's own count
+    is unavailable and the report falls back to SafeSage's arithmetic, saying so."""
+    code = ("from safe_ops.preflight import comfy_h3_tokens, preflight_report\n"
+            "from safe_ops.runtime import Runtime\n"
+            "rt = Runtime('t', None, None, None, None, None, 'x', None, None, None)\n"
+            "print(comfy_h3_tokens(1664, 960, 362))\n"
+            "print(preflight_report(64, 64, 5, rt=rt, comfy_wants_sage=False)['text'].splitlines()[1])\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stderr
+    none, line = r.stdout.splitlines()
+    assert none == "None" and "counted with SafeSage's copy" in line
+
+
+def test_token_arithmetic_pads_odd_latents_like_comfyui():
+    # 976 / 16 = 61 latent rows, padded to 62 for the 2x2 patch: 31 token rows (not 976 // 32 = 30)
+    t = pf.h3_tokens(976, 560, 200, ref_images=1, text_tokens=0)
+    assert t.video == pf.h3_latent_t(209) * 31 * 18
+    assert t.refs == 30 * 18                     # the reference is rounded to 960x576 first
+
+
+def test_limits_lines_for_the_attention_node():
+    lines = pf.limits_lines(H200_SAGE22, Policy())
+    assert lines[0].startswith("H3 attention on sage2_sm90: as called it is safe up to 99,865 tokens")
+    assert "SafeSage Preflight" in lines[-1]
+    assert len(pf.limits_lines(CPU, Policy())) == 1
+
+
+def test_model_context():
+    policy, note = pf.model_context(None)
+    assert policy == Policy() and "not connected" in note
+
+    class Patcher:
+        model_options = {"transformer_options": {}}
+        model = type("M", (), {"diffusion_model": object()})()
+    policy, note = pf.model_context(Patcher())
+    assert "NOT MiniMax H3 (object)" in note and "no SafeSage Attention node" in note
+
+
+def test_demo_without_torch_says_what_to_run():
+    code = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['demo'];"
+            "runpy.run_module('safe_ops.demo', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "python3 tools/demo.py" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tools_demo_runs_the_demo_with_this_python():
+    r = subprocess.run([sys.executable, "tools/demo.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "usage: python3 -m safe_ops.demo" in r.stdout and "preparing" not in r.stderr
+
+
+def test_mlp_prediction_against_the_h200_measurement():
+    """bench/results/mlp_h200.json (python3 bench/bench_mlp.py on an H200): chunked predictions
+    between 0.90x and 1.30x the measured working memory (per_token_bytes counts the fp8 input
+    copies of the scaled_mm path, which the dequantising path does not make), unchunked ones
+    never below it."""
+    import json
+
+    runs = json.loads((REPO / "bench" / "results" / "mlp_h200.json").read_text())["runs"]
+    assert len(runs) >= 12
+    for r in runs:
+        predicted = pf.mlp_transient_bytes(r["S"], r["chunk_tokens"])
+        measured = r["working_bytes"]
+        if r["variant"] == "unpatched":
+            assert measured <= predicted <= 1.5 * measured, r
+        else:
+            assert 0.90 * measured <= predicted <= 1.30 * measured, (r["mode"], r["S"], r["chunk_tokens"],
+                                                                     predicted / measured)
+
+
+def test_gpu_runtime_without_a_readable_free_memory():
+    """free memory unknown (torch.cuda.mem_get_info failing, as on this CPU machine): no budget,
+    no memory warning, still a plan."""
+    r = pf.preflight_report(1664, 960, 362, ref_images=3, rt=H200_SAGE22, comfy_wants_sage=True)
+    (v,) = r["verdicts"]
+    assert v.scenario.budget_bytes is None and v.plan is not None
+    assert not any("free now" in w for w in r["warnings"])
