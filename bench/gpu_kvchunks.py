@@ -379,7 +379,10 @@ def sec_guard(args) -> dict:
             att = guarded(kern)
             g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
             g()
-            plan = next(iter(att._prepared.values())).plan
+            prepared = next(iter(att._prepared.values()), None)
+            if prepared is None:     # the kernel raised or failed its probe: the call fell back to SDPA
+                raise RuntimeError(f"no plan kept: fallbacks {dict(report.FALLBACKS)}")
+            plan = prepared.plan
             lay = plan.layout
             if lay == "NHD":
                 ins = [t.transpose(1, 2).contiguous() for t in (q, k, v)]

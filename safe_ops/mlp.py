@@ -397,7 +397,8 @@ class Unsupported(Exception):
 
 
 def _comfy_ops():
-    return sys.modules.get("comfy.ops") or __import__("comfy.ops", fromlist=["ops"])
+    import comfy.ops as ops  # lazy: safe_ops never imports ComfyUI at module import time
+    return ops
 
 
 def _is_quantized(t: Any) -> bool:

@@ -6,6 +6,7 @@ outside its envelope -- a plan that would have overflowed fails the test.
 """
 import dataclasses
 import math
+import sys
 
 import pytest
 import torch
@@ -588,6 +589,7 @@ def test_ck_detection_by_version(monkeypatch):
     assert (v, fam, err) == ("0.2.40", None, "no CUDA device")
     versions.clear()
     monkeypatch.setattr(R.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.delitem(sys.modules, "comfy_kitchen", raising=False)   # another test may import it
     assert R._ck_facts((9, 0)) == (None, None, "package not installed")
 
 
