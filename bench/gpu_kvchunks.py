@@ -204,6 +204,16 @@ def with_kv_rule(kern, limit: int):
     return Kernel(env, kern.fn, kern.tolerance, kern.fn_lse)
 
 
+def first_call(att, fn):
+    """(output, extra peak bytes, plan) of the first call of ``fn`` through ``att``."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o = fn()
+    torch.cuda.synchronize()
+    return o, torch.cuda.max_memory_allocated() - base, next(iter(att._prepared.values())).plan
+
+
 def sec_kvchunks(args) -> dict:
     """kv_chunks through SafeAttention with the real sage 2.2 kernel: the family's envelope plus
     sm_120's key-length rule (kv_len < 150,000) makes the planner chunk the keys, exactly as on an
@@ -230,23 +240,11 @@ def sec_kvchunks(args) -> dict:
                 f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
                 f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
                 # first call of each: plan, warm-up, output for rel. L2 and measured peak memory
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                o = f_kv()
-                torch.cuda.synchronize()
-                r["peak_extra_kv"] = torch.cuda.max_memory_allocated() - base
-                p_kv = next(iter(a_kv._prepared.values())).plan
+                o, r["peak_extra_kv"], p_kv = first_call(a_kv, f_kv)
                 r.update(plan_kv=p_kv.describe(False), kv_chunk=p_kv.kv_chunk, kind=p_kv.kind,
                          rel_l2_kv=rel_l2(o[:, :, idx], ref), finite_kv=bool(torch.isfinite(o).all()))
                 del o
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                o = f_ref()
-                torch.cuda.synchronize()
-                r["peak_extra_ref"] = torch.cuda.max_memory_allocated() - base
-                p_ref = next(iter(a_ref._prepared.values())).plan
+                o, r["peak_extra_ref"], p_ref = first_call(a_ref, f_ref)
                 r.update(plan_ref=p_ref.describe(False), rel_l2_ref=rel_l2(o[:, :, idx], ref))
                 del o
                 fns = {"kv": f_kv, "ref": f_ref}
