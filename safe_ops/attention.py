@@ -222,21 +222,33 @@ class Normalised:
 @dataclass
 class _Prepared:
     """Everything per call signature that the hot path needs, computed once."""
-    plan: Plan
+    plan: Plan                        # chosen under the budget read when the signature was new
     call: AttnCall
     shape_key: str
     count_key: str
-    fallback_reason: str | None
-    class_key: tuple | None
+    envelopes: list                   # the candidate kernels' envelopes, in preference order
+    by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
+    class_keys: dict                  # kernel family -> verifier class key of this call
+
+
+# CUDA errors that leave the context unusable (sticky): nothing can be recomputed after them.
+# Others ("no kernel image is available", "invalid device function": a build for another GPU)
+# mean nothing was launched, so the call can be recomputed with another kernel.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "unspecified launch failure",
+                       "misaligned address", "device-side assert", "illegal instruction",
+                       "hardware stack error", "CUBLAS_STATUS_EXECUTION_FAILED", "launch timed out")
 
 
 def is_cuda_error(e: BaseException) -> bool:
-    """A CUDA runtime error (sticky, asynchronous): it cannot be recovered by recomputing."""
-    acc = getattr(torch, "AcceleratorError", None)
-    if acc is not None and isinstance(e, acc):
-        return True
+    """A sticky CUDA error (asynchronous, poisons the context): it cannot be recovered by
+    recomputing, so it must propagate."""
     msg = str(e)
-    return "CUDA error" in msg or "illegal memory access" in msg or "CUBLAS_STATUS" in msg
+    return any(s in msg for s in _STICKY_CUDA_ERRORS)
+
+
+def is_oom(e: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(e, oom) or "out of memory" in str(e)
 
 
 class UnsupportedCall(ValueError):
@@ -315,6 +327,7 @@ class SafeAttention:
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
         self._prepared: dict[tuple, _Prepared] = {}
         self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
+        self._budget_cache: dict = {}        # device index -> (time read, budget)
 
     def __deepcopy__(self, memo):
         # Clones of a patched model share one override (its caches and fences are
@@ -356,7 +369,7 @@ class SafeAttention:
             return self.policy.max_extra_bytes
         if device.type != "cuda":
             return None
-        cache = self.__dict__.setdefault("_budget_cache", {})
+        cache = self._budget_cache
         now = time.monotonic()
         hit = cache.get(device.index)
         if hit is not None and now - hit[0] < BUDGET_POLL_S:
@@ -373,34 +386,25 @@ class SafeAttention:
         cache[device.index] = (now, budget)
         return budget
 
-    def _within_budget(self, plan: Plan, kern: Kernel, n: Normalised) -> Plan:
-        """``plan``, or the same family's best plan for the budget *now* when the budget has
-        moved to another bucket since (cached per call signature and bucket; SDPA when nothing
-        of that family fits any more). Plans chosen under a fixed budget are kept as they are."""
-        q = n.q
-        if plan.kind == "sdpa" or self.policy.max_extra_bytes is not None:
-            return plan
-        budget = self._budget(q.device)          # None off CUDA: no budget, nothing to re-check
+    def _within_budget(self, p: "_Prepared", device: torch.device) -> Plan:
+        """The plan for this signature under the budget *now*: when free memory has moved to
+        another bucket since the signature was planned, the same choice is made again for the
+        new budget (cached per bucket), in either direction -- a sage plan that no longer fits
+        becomes smaller launches or SDPA, an SDPA plan chosen under pressure becomes sage again.
+        A fixed budget (the policy's) never moves."""
+        if self.policy.max_extra_bytes is not None or not p.envelopes:
+            return p.plan
+        budget = self._budget(device)            # None off CUDA: no budget, nothing to re-check
         if budget is None:
-            return plan
-        k, v = n.k, n.v
-        key = (plan, budget, q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype,
-               n.caller_layout)
-        cache = self.__dict__.setdefault("_budget_plans", {})
-        new = cache.get(key)
+            return p.plan
+        new = p.by_budget.get(budget)
         if new is None:
-            call = AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
-                            n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
-            new = plan_for(call, kern.envelope, budget) or sdpa_plan(
-                call, (f"{plan.kernel}: no plan within the {budget / 2**20:,.0f} MiB memory budget now",))
-            if len(cache) > 4096:
-                cache.clear()
-            cache[key] = new
-            if new != plan:
+            new = p.by_budget[budget] = choose(p.call, p.envelopes, budget)
+            if new != p.plan:
                 report.count("replans")
-                report.once(("replan", plan, budget), logging.INFO,
+                report.once(("replan", p.plan, budget), logging.INFO,
                             "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
-                            new.describe(False), plan.describe(False))
+                            new.describe(False), p.plan.describe(False))
         return new
 
     # --------------------------------------------------------------- calling
@@ -420,25 +424,32 @@ class SafeAttention:
             report.count("plan:empty")
             return q.new_empty(q.shape)
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-               n.caller_layout, n.mask is None, comfy_attention_choice(getattr(func, "__name__", "")),
-               n.low_precision_ok)
+               n.caller_layout, n.mask is None, getattr(func, "__name__", ""), n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
             p = self._prepared[key] = self._prepare(n, func)
-        report.STATS[p.count_key] += 1
-        if p.fallback_reason is not None:
-            report.fallback(p.fallback_reason, p.shape_key)
+        plan = self._within_budget(p, q.device)
+        report.STATS[p.count_key if plan is p.plan else f"plan:{plan.kind}"] += 1
+        if plan.kind == "sdpa" and plan.reasons:       # SDPA because no sage plan could run it
+            report.fallback("; ".join(plan.reasons), p.shape_key)
         try:
-            out = self.run_plan(p.plan, n)
+            out = self.run_plan(plan, n)
         except Exception as e:
-            # A sage build that imports but raises when called (a missing sm90 extension, an
-            # unsupported argument) has launched nothing: recompute with SDPA, stop using the
-            # family. A CUDA error is sticky and asynchronous -- nothing can be recomputed then.
-            if p.plan.kernel == "sdpa" or is_cuda_error(e):
-                raise
-            return self._fall_back(p, n, f"{p.plan.kernel} raised {type(e).__name__}: {e}", family_wide=True)
-        if p.class_key is not None and self.verifier.needs_probe(p.class_key):
-            out = self._verify(p, n, out)
+            if plan.kernel == "sdpa" or is_cuda_error(e):
+                raise          # sticky and asynchronous: nothing can be recomputed after it
+            if is_oom(e):
+                # not the kernel's fault: this call only goes to SDPA (no large temporaries)
+                return self._fall_back(p, plan, n, f"{plan.kernel} ran out of memory ({e}); plan was "
+                                       f"{plan.describe(False)}", scope="call")
+            # A sage build that imports but raises when called (a missing sm90 extension, a
+            # build for another GPU) has launched nothing: recompute with SDPA, drop the family.
+            return self._fall_back(p, plan, n, f"{plan.kernel} raised {type(e).__name__}: {e}", scope="family")
+        if plan.kernel != "sdpa":
+            ck = p.class_keys.get(plan.kernel)
+            if ck is None:
+                ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
+            if self.verifier.needs_probe(ck):
+                out = self._verify(p, plan, ck, n, out)
         return out
 
     def _prepare(self, n: Normalised, func: Callable | None) -> "_Prepared":
@@ -450,12 +461,15 @@ class SafeAttention:
         # families that failed verification for this class of call are not candidates
         cand = [f for f in cand if f == "sdpa" or not (f in self.broken or
                                                        self.verifier.known_bad(self._class_key(f, call)))]
-        plan = choose(call, [self.kernels[f].envelope for f in cand], self._budget(q.device))
+        envelopes = [self.kernels[f].envelope for f in cand]
+        budget = self._budget(q.device)
+        plan = choose(call, envelopes, budget)
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
         report.remember_plan(shape_key, plan.describe())
-        return _Prepared(plan, call, shape_key, f"plan:{plan.kind}",
-                         "; ".join(plan.reasons) if plan.kind == "sdpa" and plan.reasons else None,
-                         None if plan.kernel == "sdpa" else self._class_key(plan.kernel, call))
+        # only sage candidates can change with the budget (SDPA chosen first needs none)
+        envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
+        return _Prepared(plan, call, shape_key, f"plan:{plan.kind}", envelopes,
+                         {} if budget is None else {budget: plan}, {})
 
     @staticmethod
     def _class_key(family: str, call: AttnCall) -> tuple:
@@ -463,28 +477,34 @@ class SafeAttention:
         return class_key(family, call.dtype, call.head_dim, call.layout, call.heads, call.kv_heads,
                          call.q_len, call.kv_len)
 
-    def _verify(self, p: "_Prepared", n: Normalised, out: torch.Tensor) -> torch.Tensor:
-        kern = self.kernels[p.plan.kernel]
-        verdict = compare(out, n.q, n.k, n.v, n.scale, kern.tolerance)
-        self.verifier.record(p.class_key, verdict)
+    def _verify(self, p: "_Prepared", plan: Plan, ck: tuple, n: Normalised, out: torch.Tensor) -> torch.Tensor:
+        verdict = compare(out, n.q, n.k, n.v, n.scale, self.kernels[plan.kernel].tolerance)
+        self.verifier.record(ck, verdict)
         report.count("probes")
         if verdict.ok:
             return out
         report.count("probe_failures")
-        return self._fall_back(p, n, f"{p.plan.kernel} failed verification ({verdict.detail})")
+        return self._fall_back(p, plan, n, f"{plan.kernel} failed verification ({verdict.detail})")
 
-    def _fall_back(self, p: "_Prepared", n: Normalised, why: str, family_wide: bool = False) -> torch.Tensor:
-        """Recompute this call with SDPA and re-plan every signature without the kernel that failed
-        (for this class of call after a failed probe; everywhere after a call-time error)."""
-        scope = "any call" if family_wide else "this class of call"
-        if family_wide:
-            self.broken[p.plan.kernel] = why
+    def _fall_back(self, p: "_Prepared", plan: Plan, n: Normalised, why: str, scope: str = "class") -> torch.Tensor:
+        """Recompute this call with SDPA. ``scope``: "class" (failed probe: the verifier keeps the
+        family off this class of call), "family" (raised at call time: off every call in this
+        process), "call" (out of memory: this call only)."""
+        fam = plan.kernel
+        if scope == "family":
+            self.broken[fam] = why
             report.count("kernel_errors")
-        report.once(("kernel-failed", p.plan.kernel, p.class_key), logging.ERROR,
-                    "SafeSage: %s for %s; recomputing with PyTorch SDPA and not using %s again for "
-                    "%s in this process.", why, p.shape_key, p.plan.kernel, scope)
+        if scope == "call":
+            report.count("oom_fallbacks")
+            report.once(("kernel-oom", fam, p.shape_key), logging.WARNING,
+                        "SafeSage: %s for %s; this call is recomputed with PyTorch SDPA.", why, p.shape_key)
+        else:
+            report.once(("kernel-failed", fam, p.class_keys.get(fam)), logging.ERROR,
+                        "SafeSage: %s for %s; recomputing with PyTorch SDPA and not using %s again for "
+                        "%s in this process.", why, p.shape_key, fam,
+                        "any call" if scope == "family" else "this class of call")
+            self._prepared.clear()
         report.fallback(why, p.shape_key)
-        self._prepared.clear()
         return self.run_plan(sdpa_plan(p.call, (why,)), n)
 
     # --------------------------------------------------------------- running
@@ -541,7 +561,6 @@ class SafeAttention:
     def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised,
                     fence: Callable[[list], Any] | None) -> torch.Tensor:
         q, k, v = n.q, n.k, n.v
-        plan = self._within_budget(plan, kern, n)
         if plan.kind == "sdpa":
             return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
         B, H, Sq, D = q.shape

@@ -279,6 +279,8 @@ def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None =
         viol = check(call, env)
         soft = SOFT_RULES_LSE if env.returns_lse else SOFT_RULES
         hard = [str(v) for v in viol if v.rule not in soft]
-        why = "; ".join(hard) or f"no plan within {budget_bytes} extra bytes: " + "; ".join(map(str, viol))
+        budget = "no" if budget_bytes is None else f"the {budget_bytes / 2**20:,.0f} MiB"
+        why = "; ".join(hard) or (f"no plan within {budget} memory budget (copies + kernel temporaries): "
+                                  + "; ".join(map(str, viol)))
         reasons.append(f"{env.family}: {why}")
     return sdpa_plan(call, tuple(reasons))

@@ -608,3 +608,58 @@ def test_comfy_flags_name_the_configured_kernel(monkeypatch):
     monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
     assert comfy_attention_choice(None) == "sage"
     assert comfy_attention_choice("attention_pytorch") is None       # the function ComfyUI passed wins
+
+
+def test_budget_replan_to_sdpa_is_a_counted_fallback_and_verifies_nothing():
+    """When nothing of the family fits the budget any more, that call runs SDPA: counted as a
+    fallback, and the kernel is not marked verified for a class it never ran."""
+    att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
+    q, k, v = h3_like(700)
+    budget = {"now": 0}                                # nothing fits
+    att._budget = lambda dev: budget["now"]
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert not kern.launches and report.STATS["fallbacks"] == 1 and report.STATS["probes"] == 0
+    assert any("memory budget" in r for r in report.FALLBACKS)
+    budget["now"] = 10**12                             # memory is back: the kernel runs and is probed
+    att(raw, q, k, v, 4, skip_reshape=True)
+    assert kern.launches and report.STATS["probes"] == 1
+
+
+def test_out_of_memory_in_a_kernel_falls_back_for_that_call_only():
+    env = toy_envelope()
+    fails = [True]
+
+    def oom_once(q, k, v, layout, scale):
+        if fails.pop(0) if fails else False:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.90 GiB")
+        return reference(q, k, v, scale).to(q.dtype).contiguous()
+
+    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(env, oom_once, 0.05)], rt=CPU_RT)
+    q, k, v = h3_like(100)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert report.STATS["oom_fallbacks"] == 1 and not att.broken
+    att(raw, q, k, v, 4, skip_reshape=True)             # the kernel is used again
+    assert report.STATS["oom_fallbacks"] == 1 and report.STATS["fallbacks"] == 1
+
+
+@pytest.mark.parametrize("msg,sticky", [
+    ("CUDA error: no kernel image is available for execution on the device", False),
+    ("CUDA error: invalid device function", False),
+    ("CUDA error: an illegal memory access was encountered", True),
+    ("CUDA error: unspecified launch failure", True),
+])
+def test_only_sticky_cuda_errors_propagate(msg, sticky):
+    def failing(q, k, v, layout, scale):
+        raise RuntimeError(msg)
+
+    att = SafeAttention(Policy(kernel="sage"), kernels=[Kernel(toy_envelope(), failing, 0.05)], rt=CPU_RT)
+    q, k, v = h3_like(100)
+    if sticky:
+        with pytest.raises(RuntimeError, match=msg.split(": ")[1]):
+            att(raw, q, k, v, 4, skip_reshape=True)
+    else:
+        out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+        assert "toy_sage" in att.broken and report.STATS["kernel_errors"] == 1
