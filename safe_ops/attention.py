@@ -22,11 +22,10 @@ from . import envelope_ck  # noqa: F401  (registers the comfy-kitchen families)
 from . import report
 from .envelope import FAMILIES, SDPA, AttnCall, Envelope, TensorDesc
 from .fences import GLOBAL_FENCES, FenceBook, StreamHop
-from .mlp import _free_device_bytes
-from .planner import Plan, choose, plan_for, sdpa_plan
+from .planner import Plan, choose, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
-from .runtime import Runtime, auto_order, comfy_attention_choice, measured_tflops, runtime
+from .runtime import Runtime, auto_order, comfy_attention_choice, free_device_bytes, measured_tflops, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -48,6 +47,11 @@ def budget_bucket(nbytes: int) -> int:
         if b <= nbytes:
             return b
         quarters -= 1
+
+def plan_budget_bytes(free: int | None) -> int | None:
+    """What a plan may use out of ``free`` bytes: FREE_MEMORY_FRACTION of it, bucketed."""
+    return None if free is None else budget_bucket(int(free * FREE_MEMORY_FRACTION))
+
 
 KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"], torch.Tensor]
 KernelLseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"],
@@ -374,15 +378,7 @@ class SafeAttention:
         hit = cache.get(device.index)
         if hit is not None and now - hit[0] < BUDGET_POLL_S:
             return hit[1]
-        try:
-            if "comfy.model_management" in sys.modules:
-                free = _free_device_bytes(device)          # ComfyUI's accounting
-            else:
-                free = torch.cuda.mem_get_info(device)[0] + max(
-                    torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), 0)
-            budget = None if free is None else budget_bucket(int(free * FREE_MEMORY_FRACTION))
-        except Exception:
-            budget = None
+        budget = plan_budget_bytes(free_device_bytes(device))
         cache[device.index] = (now, budget)
         return budget
 
@@ -525,7 +521,7 @@ class SafeAttention:
         cannot be reused early -- and fencing them would pin the whole qkv buffer.
         """
         kern = self.kernels[plan.kernel]
-        q, k, v = n.q, n.k, n.v
+        q, k = n.q, n.k
         dev = q.device
         hop = None
         if kern.envelope.launches_on_legacy_stream and dev.type == "cuda":

@@ -159,22 +159,10 @@ def parse_chunk_setting(chunk_setting: Any) -> Any:
     raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
 
 
-def _free_device_bytes(device: torch.device) -> int | None:
-    mm = sys.modules.get("comfy.model_management")
-    fn = getattr(mm, "get_free_memory", None) if mm is not None else None
-    try:
-        if fn is not None:
-            return int(fn(device))
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0])
-    except Exception:  # pragma: no cover - best effort
-        return None
-    return None
-
-
 def auto_budget_bytes(device: torch.device) -> int:
     budget = AUTO_BUDGET_BYTES
-    free = _free_device_bytes(device) if device.type != "cpu" else None
+    from .runtime import free_device_bytes
+    free = free_device_bytes(device)
     if free is not None:
         budget = min(budget, int(free * AUTO_FREE_FRACTION))
     return max(budget, AUTO_BUDGET_FLOOR_BYTES)

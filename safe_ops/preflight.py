@@ -92,11 +92,22 @@ def comfy_h3_tokens(width: int, height: int, length: int, ref_images: int = 0,
     """The same count from ComfyUI's own code: ``temporal_shape`` of the H3 nodes and the
     ``seq_len`` of ``PackedLayout`` for that latent. None when this ComfyUI has no H3 (or
     ComfyUI is not importable here)."""
+    # PackedLayout builds position tensors of the whole sequence on the CPU: beyond a few
+    # million tokens (far past any H3 render) that costs GiBs, so the pack's own count is used.
+    if h3_tokens(width, height, length, ref_images, text_tokens).total > COMFY_COUNT_MAX_TOKENS:
+        return None
     try:
         from comfy.ldm.minimax.model import PackedLayout  # type: ignore
         from comfy_extras.nodes_minimax_h3 import temporal_shape  # type: ignore
-    except Exception:
+        return _comfy_count(PackedLayout, temporal_shape, width, height, length, ref_images, text_tokens)
+    except Exception:      # no H3 in this ComfyUI, or its signatures changed: the pack's own count
         return None
+
+
+COMFY_COUNT_MAX_TOKENS = 4_000_000
+
+
+def _comfy_count(PackedLayout, temporal_shape, width, height, length, ref_images, text_tokens) -> H3Tokens:
     _, latent_t, audio_t = temporal_shape(length)
     lh, lw = height // 16, width // 16
     lh, lw = lh + lh % 2, lw + lw % 2                   # pad_to_patch_size((1, 2, 2))
@@ -189,11 +200,11 @@ def _fmt_gib(n: int) -> str:
 
 def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
     """This GPU as the runtime sees it, or, on a machine without CUDA, the common GPUs."""
-    from .attention import FREE_MEMORY_FRACTION
+    from .attention import plan_budget_bytes
     from .runtime import sage_family_for
     if rt.arch is not None:
         label = f"this GPU: {rt.device_name} ({rt.arch_name})"
-        budget = int(free_bytes * FREE_MEMORY_FRACTION) if free_bytes is not None else None
+        budget = plan_budget_bytes(free_bytes)
         out = [Scenario(label, rt.arch, rt.sage_version, rt.sage_family, budget, free_bytes,
                         "" if rt.sage_family else f"sageattention not usable: {rt.sage_error}")]
         if rt.sage_family is None:     # say what installing sage 2.2 would mean here
@@ -350,10 +361,8 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
         import torch
         mlp_dev = torch.device("cuda")
         if free_bytes is None:
-            try:
-                free_bytes = int(torch.cuda.mem_get_info()[0])
-            except Exception:
-                free_bytes = None
+            from .runtime import free_device_bytes
+            free_bytes = free_device_bytes(mlp_dev)
     for sc in scenarios_for(rt, free_bytes):
         v = verdict(S, sc, policy, comfy_wants_sage, mlp_dev)
         ls, ws = verdict_lines(v)
