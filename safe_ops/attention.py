@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
