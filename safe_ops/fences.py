@@ -211,6 +211,6 @@ class StreamHop:
         return ev
 
 
-# Process-wide book used by the attention override and the MLP patch; drained by
-# the diffusion-model wrapper at the end of every model forward.
+# Process-wide book used by the attention override and the MLP patch; polled after every
+# diffusion-model forward and drained when sampling ends (patch.py's wrappers).
 GLOBAL_FENCES = FenceBook()

@@ -107,7 +107,8 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     lines.append(f"kernel policy '{policy.kernel}': preference {' > '.join(cand)}")
     lines.append(explain_auto(rt, [f for f in attn.kernels if f != "sdpa"], None, policy.kernel))
     if rt.sage_family is None and policy.kernel == "auto":
-        lines.append(f"SageAttention not used: {rt.sage_error}; attention runs on PyTorch SDPA")
+        lines.append(f"SageAttention not used: {rt.sage_error}"
+                     + ("; attention runs on PyTorch SDPA" if cand[0] == "sdpa" else ""))
     lines.append(f"verify: {policy.verify}; debug_sync: {'on' if policy.debug_sync else 'off'}")
     if mlp_summary.get("patched"):
         lines.append(f"H3 MLPs patched: {mlp_summary['patched']} (chunking {policy.mlp_chunking})")
