@@ -663,3 +663,25 @@ def test_only_sticky_cuda_errors_propagate(msg, sticky):
         out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
         assert "toy_sage" in att.broken and report.STATS["kernel_errors"] == 1
+
+
+def test_budget_is_read_at_most_every_poll_interval_and_bucketed(monkeypatch):
+    import safe_ops.attention as A
+    reads, clock = [], {"t": 100.0}
+    free = {"b": 10 * 2**30}
+
+    def fake_free(device):
+        reads.append(device)
+        return free["b"]
+
+    monkeypatch.setattr(A, "free_device_bytes", fake_free)
+    monkeypatch.setattr(A.time, "monotonic", lambda: clock["t"])
+    att, _ = make_attn()
+    dev = torch.device("cuda", 0)                    # never touched: the reader is faked
+    b1 = att._budget(dev)
+    assert b1 == A.budget_bucket(int(10 * 2**30 * A.FREE_MEMORY_FRACTION)) and b1 <= 8 * 2**30
+    free["b"] = 9 * 2**30
+    assert att._budget(dev) == b1 and len(reads) == 1          # within the poll interval: cached
+    clock["t"] += 2 * A.BUDGET_POLL_S
+    assert att._budget(dev) < b1 and len(reads) == 2           # re-read, lower bucket
+    assert att._budget(torch.device("cpu")) is None            # no budget off CUDA
