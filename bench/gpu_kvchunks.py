@@ -172,8 +172,7 @@ def sec_families(args) -> dict:
                          tflops_inlimit=flops(S) / t["inlimit"] / 1e9, tflops_guarded=flops(S) / t["guarded"] / 1e9)
                 row["tflops"][fam] = r["tflops_inlimit"]
             except Exception as e:  # noqa: BLE001
-                r["error"] = f"{type(e).__name__}: {e}"
-                r["traceback"] = traceback.format_exc()[-1500:]
+                record_error(r, e)
             row["families"][fam] = r
             print(S, fam, json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:400], flush=True)
             torch.cuda.synchronize()
@@ -202,6 +201,15 @@ def with_kv_rule(kern, limit: int):
                               extra_rules=env.extra_rules + (KvLenRule(env.family, limit, "issue 11 bench",
                                                                        "sm_120 rule applied on the H200"),))
     return Kernel(env, kern.fn, kern.tolerance, kern.fn_lse)
+
+
+def record_error(r: dict, e: BaseException) -> None:
+    r["error"] = f"{type(e).__name__}: {e}"
+    r["traceback"] = traceback.format_exc()[-1500:]
+
+
+def emit(r: dict) -> None:
+    print(json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:600], flush=True)
 
 
 def first_call(att, fn):
@@ -266,10 +274,9 @@ def sec_kvchunks(args) -> dict:
                          output_bytes=q.numel() * q.element_size())
                 del buf, q, k, v, ref
             except Exception as e:  # noqa: BLE001
-                r["error"] = f"{type(e).__name__}: {e}"
-                r["traceback"] = traceback.format_exc()[-1500:]
+                record_error(r, e)
             out.append(r)
-            print(json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:600], flush=True)
+            emit(r)
     return {"rows": out, "kv_rule": SM120_KV_RULE}
 
 
@@ -392,10 +399,9 @@ def sec_guard(args) -> dict:
                      guarded_over_inlimit=t["guarded"] / t["inlimit"])
             del buf, q, k, v, ins
         except Exception as e:  # noqa: BLE001
-            r["error"] = f"{type(e).__name__}: {e}"
-            r["traceback"] = traceback.format_exc()[-1500:]
+            record_error(r, e)
         rows.append(r)
-        print(json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:600], flush=True)
+        emit(r)
         torch.cuda.empty_cache()
     return {"rows": rows}
 
