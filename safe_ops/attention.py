@@ -434,8 +434,9 @@ class SafeAttention:
                 raise          # sticky and asynchronous: nothing can be recomputed after it
             if is_oom(e):
                 # not the kernel's fault: this call only goes to SDPA (no large temporaries)
-                return self._fall_back(p, plan, n, f"{plan.kernel} ran out of memory ({e}); plan was "
-                                       f"{plan.describe(False)}", scope="call")
+                log.warning("SafeSage: %s ran out of memory: %s", plan.kernel, e)
+                return self._fall_back(p, plan, n, f"{plan.kernel} ran out of memory (plan: "
+                                       f"{plan.describe(False)})", scope="call")
             # A sage build that imports but raises when called (a missing sm90 extension, a
             # build for another GPU) has launched nothing: recompute with SDPA, drop the family.
             return self._fall_back(p, plan, n, f"{plan.kernel} raised {type(e).__name__}: {e}", scope="family")
