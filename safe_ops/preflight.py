@@ -255,7 +255,8 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     v.choice = explain_auto(rt, [fam] if fam else [], "sage" if comfy_wants_sage else None, policy.kernel)
     v.plan = choose(call, [FAMILIES[f] for f in order if f in FAMILIES], sc.budget_bytes)
     out_bytes = S * H3_HEADS * H3_HEAD_DIM * call.elt_bytes
-    v.attn_bytes = v.plan.extra_bytes + (v.plan.kernel_temp_bytes or out_bytes)
+    # the plan's own budgeted peak; where the kernel's temporaries are unknown (SDPA), its output
+    v.attn_bytes = v.plan.peak_bytes + (0 if v.plan.kernel_temp_bytes else out_bytes)
     setting = (policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking)
     dev = mlp_device if mlp_device is not None else torch.device("cpu")
     v.mlp_chunk = resolve_chunk(setting, S, H3_HIDDEN, H3_FFN, torch.bfloat16, dev)
