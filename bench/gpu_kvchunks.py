@@ -8,7 +8,9 @@ SafeAttention, the comfy-kitchen boundary probe and the 99,866-token guarded/in-
 Sections (``--only a,b``): ``families`` (time + rel. L2 of each sage-2 family, comfy-kitchen
 int8 and SDPA; TFLOP/s rows for kernel_table.json), ``kvchunks`` (the kv_chunks plan with the
 real sage 2.2 kernels vs the same kernel's unchunked plan), ``ck_probe`` (where comfy-kitchen's
-int8_attention starts refusing or failing), ``guard`` (guarded/in-limit at 99,866 tokens).
+int8_attention starts refusing or failing), ``guard`` (guarded/in-limit at 99,866 tokens),
+``anatomy`` (where kv_chunks' extra time goes: raw kernel with/without ``return_lse``, keys
+whole/split, the merge alone, per-kernel profiles; not in the default ``--only``).
 Every section runs in its own child process (an illegal memory access poisons the CUDA
 context) and every family inside it in try/except, with the error recorded.
 
@@ -280,6 +282,109 @@ def sec_kvchunks(args) -> dict:
     return {"rows": out, "kv_rule": SM120_KV_RULE}
 
 
+# ---------------------------------------------------------------------- anatomy
+def _profile_table(fn, top: int = 14) -> list[dict]:
+    """CUDA kernel time per kernel name over one call of ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        o = fn()
+        torch.cuda.synchronize()
+    del o
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t:
+            rows.append({"name": e.key[:120], "count": e.count, "ms": round(t / 1000.0, 3)})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
+def sec_anatomy(args) -> dict:
+    """Where kv_chunks' extra time goes, at one size: the raw kernel on contiguous NHD inputs
+    (whole keys, with and without ``return_lse``; the keys split in the plan's chunks, with and
+    without ``return_lse``; the split plus the pack's own merge), the pack's kv_chunks call and
+    its unchunked plan, and a per-kernel profile of the pack's call and of the whole-key call."""
+    from safe_ops import report
+    from safe_ops.attention import lse_merge
+    fam = args.kv_families[0]
+    ks = kernels()
+    if fam not in ks:
+        return {"error": f"{fam} not available here"}
+    kern = ks[fam]
+    S = args.anatomy_S
+    buf = h3_buffer(S)
+    q, k, v = h3_views(buf)
+    report.reset()
+    a_kv, a_ref = guarded(with_kv_rule(kern, SM120_KV_RULE)), guarded(kern)
+    f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+    f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+    o, _, plan = first_call(a_kv, f_kv)
+    del o
+    kc = plan.kv_chunk or S
+    spans = [(a, min(a + kc, S)) for a in range(0, S, kc)]
+    nq, nk, nv = [t.transpose(1, 2).contiguous() for t in (q, k, v)]      # [1,S,56,128] contiguous
+    f, fl = kern.fn, kern.fn_lse
+
+    def split(lse: bool, merge: bool = False, cuts=None):
+        def run():
+            acc = run_l = None
+            outs = []
+            for a, b in (cuts or spans):
+                if lse:
+                    o_, l_ = fl(nq, nk[:, a:b], nv[:, a:b], "NHD", None)
+                    if merge:
+                        acc, run_l = lse_merge(acc, run_l, o_.transpose(1, 2), l_)
+                        del o_, l_
+                    else:
+                        outs.append(o_)
+                else:
+                    outs.append(f(nq, nk[:, a:b], nv[:, a:b], "NHD", None))
+            return acc if merge else outs
+        return run
+
+    # one long chunk and one short one (the planner splits evenly; is the split or the count the cost?)
+    big = min(S - 128, (SM120_KV_RULE - 1) // 128 * 128)
+    fns = {
+        "whole": lambda: f(nq, nk, nv, "NHD", None),
+        "whole_lse": lambda: fl(nq, nk, nv, "NHD", None),
+        "split": split(False),
+        "split_lse": split(True),
+        "split_lse_merge": split(True, merge=True),
+        "uneven_lse": split(True, cuts=[(0, big), (big, S)]),
+        "pack_kv": f_kv,
+        "pack_ref": f_ref,
+    }
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    t = time_ms(fns, args.anatomy_reps, warm=False)
+    res = {"family": fam, "S": S, "plan_kv": plan.describe(False), "kv_chunk": kc, "spans": spans,
+           "uneven_cuts": [[0, big], [big, S]], "ms": t,
+           "over_whole": {k_: v_ / t["whole"] for k_, v_ in t.items()}}
+    # the merge alone on outputs made beforehand
+    outs = [fl(nq, nk[:, a:b], nv[:, a:b], "NHD", None) for a, b in spans]
+    dst = torch.empty_like(q)
+
+    def merge_only():
+        acc = run_l = None
+        for o_, l_ in outs:
+            acc, run_l = lse_merge(acc, run_l, o_.transpose(1, 2), l_)
+        dst.copy_(acc)
+        return dst
+    res["merge_only_ms"] = time_ms({"m": merge_only}, args.anatomy_reps)["m"]
+    del outs
+    print(json.dumps(res)[:1500], flush=True)
+    res["profile_pack_kv"] = _profile_table(f_kv)
+    res["profile_whole"] = _profile_table(fns["whole"])
+    res["profile_split_lse"] = _profile_table(fns["split_lse"])
+    for k_ in ("profile_pack_kv", "profile_whole", "profile_split_lse"):
+        print(k_, json.dumps(res[k_])[:1500], flush=True)
+    return res
+
+
 # ---------------------------------------------------------------------- ck probe
 def sec_ck_probe(args) -> dict:
     """Where comfy-kitchen's int8_attention refuses (an exception) or goes wrong, per layout.
@@ -431,7 +536,8 @@ def update_table(result_path: str, table_path: str) -> dict:
     return entry
 
 
-SECTIONS = {"families": sec_families, "kvchunks": sec_kvchunks, "ck_probe": sec_ck_probe, "guard": sec_guard}
+SECTIONS = {"families": sec_families, "kvchunks": sec_kvchunks, "ck_probe": sec_ck_probe, "guard": sec_guard,
+            "anatomy": sec_anatomy}
 
 
 def run_section(name: str, argv: list[str], timeout: int) -> dict:
@@ -474,6 +580,8 @@ def main() -> None:
     ap.add_argument("--guard-families", default="sage2_sm89_fp8pv",
                     help="besides the runtime's own sage family; sm89_fp8pv needs a q copy at 99,866 "
                          "(per_warp runs direct there: nothing to measure)")
+    ap.add_argument("--anatomy-S", type=int, default=169_000)
+    ap.add_argument("--anatomy-reps", type=int, default=3)
     ap.add_argument("--section-timeout", type=int, default=420)
     ap.add_argument("--update-table", metavar="RESULT_JSON",
                     help="merge RESULT_JSON's measured TFLOP/s into safe_ops/kernel_table.json and exit (no GPU)")
