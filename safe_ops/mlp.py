@@ -111,8 +111,9 @@ _STATS_LOCK = threading.Lock()
 def per_token_bytes(hidden: int, ffn: int, dtype_bytes: int) -> int:
     """Bytes one token of a chunk keeps live in the chunk loop (upper bound).
 
-    In the compute dtype: fc1 output ``2*ffn`` (gate|up; SwiGLU is computed in place into
-    the gate half), fc2's contiguous input copy ``ffn`` (quantised path only) and fc2's
+    In the compute dtype: fc1 output ``2*ffn`` (gate|up), SwiGLU's output ``ffn`` (a new
+    contiguous tensor on the quantised paths; the dense path writes it in place into the
+    gate half) and fc2's
     per-chunk output ``hidden`` before it is copied into the preallocated result; plus the
     1-byte fp8 input copies of a quantised path (``hidden`` for fc1, ``ffn`` for fc2).
     The dense path needs less (no input copies, fc2 writes straight into the output).
@@ -194,6 +195,17 @@ def swiglu_inplace(h: torch.Tensor) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
     F.silu(gate, inplace=True)
     return gate.mul_(up)
+
+
+def swiglu_contiguous(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` into a new contiguous ``[..., ffn]`` tensor: ComfyUI's
+    ``_swiglu_eager`` op for op (``silu`` out of place, then ``mul_``), so bit-identical.
+
+    For an fc2 that needs a contiguous input (the quantised paths quantise it first): one
+    pass fewer than :func:`swiglu_inplace` followed by ``.contiguous()``, same peak memory
+    (one ``[chunk, ffn]`` tensor either way)."""
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 def dequantize_fp8(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -310,10 +322,10 @@ def run_chunked_mlp(x: torch.Tensor, fc1: Lease, fc2: Lease, chunk_tokens: int,
             h = fc1.apply(x2[a:b])
             if getattr(fc2, "fused_act", False):
                 inp = h
+            elif fc2.contiguous_input:
+                inp = swiglu_contiguous(h)
             else:
                 inp = swiglu_inplace(h)
-                if fc2.contiguous_input:
-                    inp = inp.contiguous()
             if out2 is None:
                 y = fc2.apply(inp)
                 out2 = torch.empty((S, y.shape[-1]), dtype=y.dtype, device=y.device)

@@ -325,3 +325,47 @@ def test_install_on_non_h3_model():
     assert p.object_patches == {}
     r = mlp.install_h3_mlp_patches(object(), "auto")
     assert r["patched"] == 0 and r["skipped"]
+
+
+def test_quantising_fc2_gets_contiguous_swiglu_without_extra_copy():
+    """An fc2 lease that needs a contiguous input (the quantised paths) receives the SwiGLU
+    made out of place (ComfyUI's _swiglu_eager op order: a new contiguous tensor), not the
+    strided in-place view plus a ``.contiguous()`` copy; fc1's output is left as it was.
+    A dense fc2 gets the in-place view (no new tensor)."""
+    hidden, ffn = 16, 24
+    w1, _, w2, _ = _weights(hidden, ffn, torch.float32)
+    x = torch.randn(10, hidden)
+    seen = []
+
+    class Fc1(mlp.DenseLease):
+        def apply(self, inp):
+            h = super().apply(inp)
+            seen.append(("h", h, h.clone()))
+            return h
+
+    def fc2_fn(inp):
+        seen.append(("inp", inp, None))
+        return F.linear(inp, w2)
+
+    class Fc2(mlp.DenseLease):
+        def apply(self, inp):
+            seen.append(("inp", inp, None))
+            return super().apply(inp)
+
+        def apply_into(self, inp, out):
+            seen.append(("inp", inp, None))
+            super().apply_into(inp, out)
+
+    for fc2 in (mlp.CallableLease(fc2_fn), Fc2(w2)):
+        seen.clear()
+        y = mlp.run_chunked_mlp(x, Fc1(w1), fc2, 4)
+        assert torch.equal(y, mlp.chunked_swiglu(x, w1, None, w2, None, 4))
+        hs = [(t, before) for kind, t, before in seen if kind == "h"]
+        inps = [t for kind, t, _ in seen if kind == "inp"]
+        assert len(hs) == len(inps) == 3
+        for (h, before), inp in zip(hs, inps):
+            if isinstance(fc2, mlp.CallableLease):
+                assert inp.is_contiguous() and inp.data_ptr() != h.data_ptr()
+                assert torch.equal(h, before), "fc1's output was written"
+            else:
+                assert not inp.is_contiguous() and inp.data_ptr() == h.data_ptr()

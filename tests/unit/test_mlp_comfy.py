@@ -446,6 +446,10 @@ def test_swiglu_matches_comfy_swiglu_eager(dtype):
     got = mlp.swiglu_inplace(h.clone())
     assert got.shape == want.shape == (37, FFN) and torch.equal(got, want)
     assert not torch.equal(got, mlp.swiglu_inplace(h.roll(FFN, dims=-1).clone())), "halves are not symmetric"
+    # the variant for an fc2 that quantises its input: contiguous, same bits, input untouched
+    src = h.clone()
+    got_c = mlp.swiglu_contiguous(src)
+    assert got_c.is_contiguous() and torch.equal(got_c, want) and torch.equal(src, h)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
