@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""MiniMax H3's MLP through ComfyUI's own ops: unpatched ``MLP.forward`` vs the pack's
+``safe_ops.mlp.h3_mlp_forward`` (what the SafeSage node installs), one process, same module.
+
+The module is ComfyUI 0dd9b154's ``comfy.ldm.minimax.model.MLP`` at the real size (hidden 5376,
+ffn 14336) built with ComfyUI's own operations, weights loaded through ComfyUI's state-dict
+path, on the GPU:
+
+  fp8    ``comfy.ops.mixed_precision_ops`` with float8_e4m3fn weights + ``weight_scale`` (what an
+         fp8_scaled checkpoint loads as): each Linear quantises its input and comfy-kitchen runs
+         ``torch._scaled_mm``.
+  bf16   ``comfy.ops.disable_weight_init`` with bf16 weights (a bf16 checkpoint).
+  int8   ``mixed_precision_ops`` with TensorWiseINT8 weights (comfy-kitchen's int8 GEMM, SwiGLU
+         fused into fc2's input quantiser by ``linear_input_act``), where comfy-kitchen runs it.
+
+Per (mode, S, variant): CUDA-event time (median of ``--reps`` after warm-up, variants
+interleaved), once from an idle GPU and once queued behind ~30 ms of GPU work (the host-side
+setup of a call then overlaps, as inside a model), extra peak memory over the call, and the output against the unpatched one
+(bitwise flag and max abs diff). ``--profile`` adds per-kernel CUDA time of one call of each
+variant at the largest S (torch.profiler).
+
+    python bench/gpu_mlp_comfy.py --comfy $COMFYUI_PATH --out bench/results/mlp_comfy_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import torch  # noqa: E402
+
+HIDDEN, FFN = 5376, 14336
+DEV = "cuda"
+SLEEP_CYCLES = 60_000_000    # ~30 ms at H200 clocks
+
+
+def _fp8_state(out_f, in_f, gen):
+    w = torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5
+    scale = w.abs().amax() / 448.0
+    return {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale.float(),
+            "comfy_quant": torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)}
+
+
+def _int8_state(out_f, in_f, gen):
+    w = torch.randn(out_f, in_f, generator=gen) * in_f ** -0.5
+    scale = w.abs().amax() / 127.0
+    return {"weight": (w / scale).round().clamp(-127, 127).to(torch.int8), "weight_scale": scale.float(),
+            "comfy_quant": torch.tensor(list(json.dumps({"format": "int8_tensorwise"}).encode()), dtype=torch.uint8)}
+
+
+def build(mode: str):
+    import comfy.ops
+    from comfy.ldm.minimax.model import MLP
+    gen = torch.Generator().manual_seed(11)
+    if mode == "bf16":
+        m = MLP(HIDDEN, FFN, dtype=torch.bfloat16, device=DEV, operations=comfy.ops.disable_weight_init)
+        for lin in (m.fc1, m.fc2):
+            w = torch.randn(lin.out_features, lin.in_features, generator=gen) * lin.in_features ** -0.5
+            lin.weight = torch.nn.Parameter(w.to(DEV, torch.bfloat16), requires_grad=False)
+        return m
+    ops = comfy.ops.mixed_precision_ops({}, compute_dtype=torch.bfloat16)
+    m = MLP(HIDDEN, FFN, dtype=torch.bfloat16, device=DEV, operations=ops)
+    make = _fp8_state if mode == "fp8" else _int8_state
+    for lin in (m.fc1, m.fc2):
+        sd = {k: (v if k == "comfy_quant" else v.to(DEV))   # ComfyUI reads comfy_quant on the host
+              for k, v in make(lin.out_features, lin.in_features, gen).items()}
+        lin.load_state_dict(sd, strict=False)
+    layout = getattr(m.fc1.weight, "_layout_cls", None) or getattr(m.fc1, "layout_type", None)
+    if layout is None:
+        raise RuntimeError(f"{mode}: ComfyUI did not load a quantised weight")
+    return m
+
+
+def time_ms(fns: dict, reps: int, queued: bool = False) -> dict:
+    """Median ms per fn, interleaved. ``queued``: the GPU is first given ~30 ms of work
+    (``torch.cuda._sleep``) so the host-side setup of the call overlaps it, as inside a model
+    where the previous layer is still running; otherwise the GPU idles while the host prepares."""
+    for fn in fns.values():
+        fn()
+    sync()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if DEV == "cpu":
+                t0 = time.perf_counter()
+                o = fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+                del o
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued:
+                torch.cuda._sleep(SLEEP_CYCLES)
+            a.record()
+            o = fn()
+            b.record()
+            torch.cuda.synchronize()
+            del o
+            times[name].append(a.elapsed_time(b))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def sync():
+    if DEV != "cpu":
+        torch.cuda.synchronize()
+
+
+def peak_extra(fn) -> int:
+    if DEV == "cpu":
+        return 0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    o = fn()
+    torch.cuda.synchronize()
+    del o
+    return torch.cuda.max_memory_allocated() - base
+
+
+def profile(fn, top=12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile as prof_
+    torch.cuda.synchronize()
+    with prof_(activities=[ProfilerActivity.CUDA]) as p:
+        o = fn()
+        torch.cuda.synchronize()
+    del o
+    rows = []
+    for e in p.key_averages():
+        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if t:
+            rows.append({"name": e.key[:110], "count": e.count, "ms": round(t / 1000.0, 3)})
+    rows.sort(key=lambda r: -r["ms"])
+    total = round(sum(r["ms"] for r in rows), 3)
+    return [{"total_kernel_ms": total}] + rows[:top]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--comfy", default=os.environ.get("COMFYUI_PATH"))
+    ap.add_argument("--out")
+    ap.add_argument("--modes", default="fp8,bf16,int8")
+    ap.add_argument("--sizes", default="38000,99866,169000")
+    ap.add_argument("--chunks", default="auto,16384", help="chunk settings of the patched variants")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims (hidden 64, ffn 96): checks the script only")
+    a = ap.parse_args()
+    global DEV, HIDDEN, FFN
+    from synth_h3 import _setup_comfy
+    _setup_comfy(a.comfy)
+    if a.smoke:
+        DEV, HIDDEN, FFN = "cpu", 64, 96
+        import comfy.cli_args
+        comfy.cli_args.args.cpu = True
+    elif not torch.cuda.is_available():
+        sys.exit("gpu_mlp_comfy: needs a CUDA GPU")
+    import comfy.model_management  # noqa: F401  (GPU init as ComfyUI does)
+    from safe_ops import mlp
+    import importlib.metadata as md
+    res = {"bench": "h3_mlp_comfy_ops", "command": "python3 " + " ".join(sys.argv),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "dims": [HIDDEN, FFN], "comfyui": a.comfy,
+           "comfy_kitchen": next((md.version(p) for p in ("comfy-kitchen", "comfy_kitchen")
+                                  if _has(md, p)), None),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "auto_budget_bytes": mlp.auto_budget_bytes(torch.device(DEV)), "runs": [], "errors": {}}
+    sizes = [int(s) for s in a.sizes.split(",")]
+    chunks = [c for c in a.chunks.split(",") if c]
+    for mode in a.modes.split(","):
+        try:
+            m = build(mode)
+        except Exception as e:  # noqa: BLE001
+            res["errors"][mode] = f"{type(e).__name__}: {e}"
+            print(mode, "build failed:", res["errors"][mode], flush=True)
+            continue
+        for S in sizes:
+            try:
+                with torch.inference_mode():
+                    x = torch.randn(1, S, HIDDEN, device=DEV, dtype=torch.bfloat16,
+                                    generator=torch.Generator(device=DEV).manual_seed(S))
+                    stats = mlp.MlpStats()
+                    fns = {"unpatched": lambda: type(m).forward(m, x)}
+                    for c in chunks:
+                        fns[f"chunked:{c}"] = (lambda c=c: mlp.h3_mlp_forward(m, x, mlp.parse_chunk_setting(c),
+                                                                              stats=stats))
+                    ref = fns["unpatched"]()
+                    rows = {}
+                    for name, fn in fns.items():
+                        o = fn()
+                        d = (o.float() - ref.float()).abs().max().item()
+                        rows[name] = {"mode": mode, "S": S, "variant": name, "bitwise_equal": bool(torch.equal(o, ref)),
+                                      "max_abs_diff": d, "peak_extra_bytes": peak_extra(fn)}
+                        del o
+                    del ref
+                    stats.reset()
+                    t = time_ms(fns, a.reps)
+                    tq = time_ms(fns, a.reps, queued=DEV != "cpu")
+                    st = stats.as_dict()
+                    for name, r in rows.items():
+                        r["time_ms"] = t[name]
+                        r["ratio_vs_unpatched"] = t[name] / t["unpatched"]
+                        r["time_ms_queued"] = tq[name]
+                        r["ratio_vs_unpatched_queued"] = tq[name] / tq["unpatched"]
+                        if name != "unpatched":
+                            c = mlp.parse_chunk_setting(name.split(":", 1)[1])
+                            r["chunk_tokens"] = mlp.resolve_chunk(c, S, HIDDEN, FFN, x.dtype, x.device, None)
+                        res["runs"].append(r)
+                        print(json.dumps(r), flush=True)
+                    res.setdefault("mlp_stats", {})[f"{mode}:{S}"] = st
+                    if a.profile and S == max(sizes):
+                        res.setdefault("profiles", {})[mode] = {n: profile(fn) for n, fn in fns.items()}
+                        print(json.dumps(res["profiles"][mode])[:2500], flush=True)
+                    del x
+            except Exception as e:  # noqa: BLE001
+                res["errors"][f"{mode}:{S}"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1200:]}"
+                print(mode, S, "failed:", res["errors"][f"{mode}:{S}"], flush=True)
+            if DEV != "cpu":
+                torch.cuda.empty_cache()
+        del m
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+def _has(md, p):
+    try:
+        md.version(p)
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    main()
