@@ -21,19 +21,26 @@ What ``int8_attention(q, k, v, scale=None, attn_mask=None)`` does (sage_attentio
 The limits are host-side checks that raise ``std::overflow_error`` (a Python exception,
 nothing launched):
 
-* 0.2.29-0.2.39 (comfy-kitchen #178: "tensor strides exceed int32 range", first failing key
+* 0.2.29-0.2.35 (comfy-kitchen #178: "tensor strides exceed int32 range", first failing key
   length 299,521 at 56x128 on an RTX 5090): the batch strides of its own int8 copies must fit
   int32 -- ``H_q*L_q*D``, ``H_kv*L_k*D`` and ``H_kv*D*pad(L_k)`` (the packed V; pad to cta_k is
   why 299,520 passes and 299,521 fails). Evaluated per call, batch size 1 included.
-* 0.2.40: the launcher computes batch/head bases in 64 bits when they pass uint32 and checks
+* 0.2.36-0.2.40: the launcher computes batch/head bases in 64 bits when they pass uint32 and checks
   only within-head offsets (``L_q*D``, ``L_k*D``, ``D*pad(L_k)``, ``L_q*D`` for the output:
   "sage_attn: within-head offsets exceed int32 range") plus "sage_attn: within-head strides
   exceed int32 range" -- taken here as the caller's token and channel strides fitting int32.
-  At 56x128 that is ~16.7M tokens per head: no H3 length reaches it. The GPU boundary probe
-  (bench/gpu_kvchunks.py ``ck_probe``) measures where 0.2.40 really refuses.
+  At 56x128 that is ~16.7M tokens per head: no H3 length reaches it.
+
+Where the change landed: the ``_C.abi3.so`` of the PyPI wheels 0.2.33, 0.2.34 and 0.2.35 hold
+the old message "tensor strides exceed int32 range"; 0.2.36, 0.2.38, 0.2.39 and 0.2.40 hold
+"within-head offsets exceed int32 range" instead (0.2.29 is not on PyPI). On the H200
+(bench/gpu_kvchunks.py ``ck_probe``, bench/results/ck239_probe_h200.json and
+ck240_probe_h200.json) 0.2.39 and 0.2.40 take 320,000 tokens on either side, in every layout,
+with no error and rel. L2 0.008-0.018 vs SDPA.
 
 Unknown versions (< 0.2.29 has no ``int8_attention``; newer than 0.2.40 unread) get the
-0.2.29 rules too (conservative: they only cost head groups).
+0.2.29 rules (conservative: they only cost head groups, 1.0003x at 314,437 tokens on the
+H200, bench/results/ck239_families_h200.json).
 """
 from __future__ import annotations
 
@@ -70,7 +77,7 @@ class CkStrideRule:
     """comfy-kitchen's own int32 checks, evaluated on the call (rule "index": head groups and
     query chunks fix them -- each product is per launch)."""
     family: str
-    batch_strides: bool          # 0.2.29-0.2.39: int8 copies' batch strides must fit int32
+    batch_strides: bool          # 0.2.29-0.2.35: int8 copies' batch strides must fit int32
 
     def __call__(self, call: AttnCall) -> list[Violation]:
         b, h, lq, _ = call.q.shape
@@ -136,9 +143,9 @@ def _envelope(family: str, batch_strides: bool, note: str) -> Envelope:
 
 
 CK_INT8 = _envelope("ck_int8", False,
-                    "comfy-kitchen >= 0.2.40 int8_attention: 64-bit batch/head bases, int32 within-head offsets.")
-CK_INT8_PRE240 = _envelope("ck_int8_pre240", True,
-                           "comfy-kitchen 0.2.29-0.2.39 int8_attention: every int8 copy's batch stride must "
+                    "comfy-kitchen 0.2.36-0.2.40 int8_attention: 64-bit batch/head bases, int32 within-head offsets.")
+CK_INT8_PRE236 = _envelope("ck_int8_pre236", True,
+                           "comfy-kitchen 0.2.29-0.2.35 int8_attention: every int8 copy's batch stride must "
                            "fit int32 (comfy-kitchen #178: 299,521 keys at 56x128 raise OverflowError).")
 
 
@@ -159,4 +166,5 @@ def ck_family_for(version: str | None) -> str | None:
         return None
     if v < (0, 2, 29):
         return None                                   # no int8_attention before 0.2.29
-    return "ck_int8" if v[:3] == (0, 2, 40) else "ck_int8_pre240"
+    # 0.2.36-0.2.40 checked (wheel strings + H200 probe); newer ones unread: conservative
+    return "ck_int8" if (0, 2, 36) <= v[:3] <= (0, 2, 40) else "ck_int8_pre236"

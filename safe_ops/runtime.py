@@ -132,10 +132,10 @@ def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str
     from .envelope_ck import ck_family_for
     if version is None:
         # importable without package metadata (a bare PYTHONPATH copy): version unknown,
-        # so the conservative (0.2.29-0.2.39) envelope
+        # so the conservative (0.2.29-0.2.35) envelope
         if "comfy_kitchen" not in sys.modules and importlib.util.find_spec("comfy_kitchen") is None:
             return None, None, "package not installed"
-        family = "ck_int8_pre240"
+        family = "ck_int8_pre236"
         version = "unknown"
     else:
         family = ck_family_for(version)
@@ -184,9 +184,9 @@ def kernel_table() -> dict:
 
 
 # Families that run the same kernel and differ only in their (version-dependent) envelope
-# share one measured number: comfy-kitchen 0.2.29-0.2.39 and 0.2.40 (or a copy without
+# share one measured number: comfy-kitchen 0.2.29-0.2.35 and 0.2.36-0.2.40 (or a copy without
 # package metadata, which gets the conservative envelope) time the same int8_attention.
-TABLE_ALIAS = {"ck_int8_pre240": "ck_int8"}
+TABLE_ALIAS = {"ck_int8_pre236": "ck_int8"}
 
 
 def measured_tflops(arch_name: str) -> dict:

@@ -222,27 +222,29 @@ def test_budget_counts_kernel_temporaries():
 
 
 # ------------------------------------------------------------------ comfy-kitchen
-def test_ck_pre240_boundary_is_issue_178():
-    """comfy-kitchen 0.2.29-0.2.39: 299,520 keys pass, 299,521 raise (#178, RTX 5090 bisection):
+def test_ck_pre236_boundary_is_issue_178():
+    """comfy-kitchen 0.2.29-0.2.35: 299,520 keys pass, 299,521 raise (#178, RTX 5090 bisection):
     the packed V pads to cta_k=128, 56*128*299,648 > INT_MAX."""
-    from safe_ops.envelope_ck import CK_INT8, CK_INT8_PRE240
+    from safe_ops.envelope_ck import CK_INT8, CK_INT8_PRE236
     for layout in ("NHD", "HND"):
         ok = TensorDesc.contiguous((1, 56, 299_520, 128), layout)
         bad = TensorDesc.contiguous((1, 56, 299_521, 128), layout)
-        assert not check(call_of(ok, layout=layout), CK_INT8_PRE240)
-        viol = check(call_of(bad, layout=layout), CK_INT8_PRE240)
+        assert not check(call_of(ok, layout=layout), CK_INT8_PRE236)
+        viol = check(call_of(bad, layout=layout), CK_INT8_PRE236)
         assert [v.tensor for v in viol] == ["v_int8"] and viol[0].rule == "index"
-        assert not check(call_of(bad, layout=layout), CK_INT8)          # 0.2.40: 64-bit bases
+        assert not check(call_of(bad, layout=layout), CK_INT8)          # 0.2.36+: 64-bit bases
     # H3's strided views at the 50 s 720p length: head groups, no SDPA; never kv chunks (no LSE)
-    p = plan_for(call_of(h3_view(314_437), layout="NHD"), CK_INT8_PRE240)
+    p = plan_for(call_of(h3_view(314_437), layout="NHD"), CK_INT8_PRE236)
     assert p.kind == "head_groups" and not p.kv_chunk and p.head_group * 128 * 314_496 <= I32_MAX
-    assert not CK_INT8_PRE240.returns_lse and not CK_INT8.returns_lse
+    assert not CK_INT8_PRE236.returns_lse and not CK_INT8.returns_lse
 
 
 def test_ck_within_head_limit_and_versions():
     from safe_ops.envelope_ck import CK_INT8, ck_family_for
     long_ = TensorDesc.contiguous((1, 2, 17_000_000, 128), "HND")     # 17M x 128 > INT_MAX per head
     assert {v.axis for v in check(call_of(long_), CK_INT8)} >= {"s"}
-    assert ck_family_for("0.2.40") == "ck_int8"
-    assert ck_family_for("0.2.29") == ck_family_for("0.2.39") == ck_family_for("0.3.0") == "ck_int8_pre240"
+    # the _C strings of the PyPI wheels: 0.2.35 has #178's check, 0.2.36 the 64-bit bases
+    assert ck_family_for("0.2.40") == ck_family_for("0.2.39") == ck_family_for("0.2.36") == "ck_int8"
+    assert ck_family_for("0.2.29") == ck_family_for("0.2.35") == "ck_int8_pre236"
+    assert ck_family_for("0.2.41") == ck_family_for("0.3.0") == "ck_int8_pre236"   # unread: conservative
     assert ck_family_for("0.2.28") is None and ck_family_for("0.2.7") is None and ck_family_for(None) is None
