@@ -64,8 +64,15 @@ H3_MLP_CLASS = "MLP"
 
 #: token counts the planner rounds to
 CHUNK_ALIGN = 256
-#: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out)
-AUTO_BUDGET_BYTES = 768 * 1024 ** 2
+#: "auto" aims at this many tokens per chunk. Measured on an H200 through ComfyUI 0dd9b154's
+#: own ops (bench/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json): the GEMMs of
+#: 6,912-token chunks run less efficiently than the whole sequence's (fp8 up to +2.9%), those
+#: of 16,384-token chunks do not (fp8 <= +1.8%, int8 <= +1.0%).
+AUTO_CHUNK_TOKENS = 16_384
+#: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out):
+#: what AUTO_CHUNK_TOKENS tokens of MiniMax H3's MLP (hidden 5376, ffn 14336, bf16) keep
+#: live, per_token_bytes(5376, 14336, 2) = 116,480 B each -> 1,820 MiB
+AUTO_BUDGET_BYTES = AUTO_CHUNK_TOKENS * ((3 * 14336 + 5376) * 2 + (14336 + 5376))
 #: never plan a budget below this, even with little free memory
 AUTO_BUDGET_FLOOR_BYTES = 256 * 1024 ** 2
 #: "auto" never uses more than this fraction of the free device memory for a chunk

@@ -60,7 +60,7 @@ def test_reporters_size_on_cpu_reports_common_gpus(comfy):
     assert any("sage2_sm120_fp8pv on sm_120 would cross its limits (length, safe up to 149,999)" in w
                and "plan: " in w and "plan: direct" not in w for w in warnings), warnings
     assert any("sage1_triton on sm_89" in w and "plan: repack" in w for w in warnings), warnings
-    assert "MLP 6,912 tokens per chunk" in text and "predicted peak" in text
+    assert "MLP 16,384 tokens per chunk" in text and "predicted peak" in text
     assert "model: not connected" in text
 
 
