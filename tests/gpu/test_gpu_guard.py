@@ -101,7 +101,10 @@ def test_legacy_stream_kernel_under_a_side_stream_is_correct_and_memory_returns(
     S = first_unsafe_strided()
     q, k, v = ga.h3_qkv(S, "strided")
     ref = ga.sdpa(q, k, v)
-    gc.collect()                     # an earlier test's traceback may still hold its tensors
+    # earlier tests' fenced copies and tracebacks must go first, or they leave during this
+    # call and memory ends *below* the baseline
+    GLOBAL_FENCES.drain()
+    gc.collect()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     att = ga.guarded()

@@ -66,7 +66,16 @@ def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
         ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         chunked = _att(Kernel(env, kern.fn, kern.tolerance, kern.fn_lse))
         o = chunked(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
-        plan = next(iter(chunked._prepared.values())).plan
+        prepared = next(iter(chunked._prepared.values()), None)
+        if prepared is None:
+            # the build has the Python function but not its extension (e.g. sage2_sm90 in a
+            # build made for 8.9): the call raised, the pack answered with SDPA -- check that
+            # much, then say why the chunked part was not tested
+            assert report.STATS["kernel_errors"] == 1 and rel(o, ref) < 1e-2, dict(report.STATS)
+            why = next(iter(report.FALLBACKS), "no reason recorded")
+            print(f"\n[test_gpu_kvchunks] {fam}: fell back to SDPA ({why}); kv_chunks not tested")
+            pytest.skip(f"{fam} raised at call time in this build, fell back to SDPA: {why}")
+        plan = prepared.plan
         assert plan.kind == "kv_chunks" and plan.kv_chunk < 6_000
         whole = _att(kern)(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
         e_kv, e_whole = rel(o, ref), rel(whole, ref)
