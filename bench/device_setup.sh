@@ -5,12 +5,14 @@
 #   .whl/*.whl                  comfy-aimdo 0.4.13, torchsde 0.2.6, trampoline 0.1.2 (pip download, cp312)
 #   .gpu/ck226.tar.xz           comfy-kitchen 0.2.26 (ComfyUI 0dd9b154's pin) minus its HIP backend
 #   .gpu/ck240.tar.xz           comfy-kitchen 0.2.40 (has int8_attention), same trim
+#   .gpu/ck235.tar.xz           comfy-kitchen 0.2.35 (the last with #178's int32 batch-stride checks), same trim
+#   .gpu/ck239.tar.xz           comfy-kitchen 0.2.39 (64-bit batch bases since 0.2.36), same trim
 #   .gpu/ComfyUI-0dd9b154.tgz   ../shared/comfyui's tarball (unpacks to c0dd/)
 #   .gpu/SageAttention-2.2.0-src.tgz  ../shared/sageattention's tarball (unpacks to sage22/)
 #   .gpu/sage22-*.tar.xz        a finished sage 2.2.0 build (from ss_pack_sage), if carried
 # Functions:
 #   ss_base                 wheels -> /tmp/site (PYTHONPATH), ComfyUI -> /tmp/comfy/c0dd ($SS_COMFY)
-#   ss_kitchen 226|240      that comfy-kitchen into /tmp/ck<ver> and on PYTHONPATH (before /tmp/site)
+#   ss_kitchen 226|235|239|240 that comfy-kitchen into /tmp/ck<ver> and on PYTHONPATH (before /tmp/site)
 #   ss_build_sage ARCH TAG  background build of sage 2.2.0 for TORCH_CUDA_ARCH_LIST=ARCH into
 #                           /tmp/sage-TAG (log /tmp/sage-TAG.log, done marker /tmp/sage-TAG.ok)
 #   ss_sage TAG             put /tmp/sage-TAG (built here or unpacked from .gpu/sage22-TAG.tar.xz) first
