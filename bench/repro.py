@@ -564,7 +564,7 @@ def driver(a):
             if os.path.exists(rjson):
                 with open(rjson) as f:
                     w = json.load(f)
-            run.update(command=("CUDA_LAUNCH_BLOCKING=1 " if arm == "sage_blocking" else "")
+            run.update(command="".join(f"{k}={v} " for k, v in ARMS[arm]["env"].items())
                        + "PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync " + " ".join(shlex.quote(x) for x in cmd[1:]),
                        rc=rc, wall_s=wall, worker=w)
             if rc == 0 and w.get("completed"):
