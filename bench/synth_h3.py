@@ -1,5 +1,8 @@
 """Write a synthetic MiniMax-H3-shaped fp8_scaled checkpoint (random weights, real dimensions).
 
+``--weights int8`` writes the block Linears as ComfyUI's ``int8_tensorwise`` instead, ``--weights
+bf16`` leaves them bf16 (no quantization metadata): the report's clean int8 / bf16 rows.
+
 The real `minimax_h3_ref2va_pruned_fp8_scaled.safetensors` is not available here, so this writes a
 stand-in that goes through exactly the same ComfyUI loading code: every block / token-refiner
 Linear (qkv_proj, out_proj, mlp.fc1, mlp.fc2) is stored float8_e4m3fn with a 0-d fp32
@@ -79,8 +82,8 @@ def _gen(name: str, seed: int, device):
 
 
 def build(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 64, curve_grid: int = 1001,
-          device: str | None = None, dims: dict | None = None):
-    """Return (state_dict on CPU, metadata, info)."""
+          device: str | None = None, dims: dict | None = None, weights: str = "fp8"):
+    """Return (state_dict on CPU, metadata, info). ``weights``: fp8 | int8 | bf16 block Linears."""
     import torch
 
     if device is None:
@@ -110,19 +113,27 @@ def build(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 6
         else:  # norm weights
             w = torch.ones(shape, device=device, dtype=torch.float32)
         layer = k[: -len(".weight")] if k.endswith(".weight") else None
-        if (layer is not None and w.dim() == 2 and layer.endswith(QUANT_SUFFIXES)
+        if (weights != "bf16" and layer is not None and w.dim() == 2 and layer.endswith(QUANT_SUFFIXES)
                 and layer.startswith(("blocks.", "token_refiner.blocks."))):
-            scale = (w.abs().amax() / 448.0).clamp(min=1e-12).to(torch.float32)
-            sd[k] = (w / scale).to(torch.float8_e4m3fn).cpu().contiguous()
+            if weights == "int8":
+                # ComfyUI's int8_tensorwise: int8 weight, 0-d fp32 weight_scale = amax/127
+                scale = (w.abs().amax() / 127.0).clamp(min=1e-12).to(torch.float32)
+                sd[k] = (w / scale).round().clamp(-127, 127).to(torch.int8).cpu().contiguous()
+                quant_layers[layer] = {"format": "int8_tensorwise"}
+            else:
+                scale = (w.abs().amax() / 448.0).clamp(min=1e-12).to(torch.float32)
+                sd[k] = (w / scale).to(torch.float8_e4m3fn).cpu().contiguous()
+                quant_layers[layer] = {"format": "float8_e4m3fn"}
             sd[layer + ".weight_scale"] = scale.reshape(()).cpu()
-            quant_layers[layer] = {"format": "float8_e4m3fn"}
         else:
             keep = torch.float32 if dtype == torch.float32 else torch.bfloat16
             sd[k] = w.to(keep).cpu().contiguous()
         del w
-    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": quant_layers})}
+    metadata = ({"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": quant_layers})}
+                if quant_layers else {})
     info = {
         "blocks": blocks, "refiner_blocks": cfg["token_refiner_num_layers"], "seed": seed, "adaln": adaln,
+        "weights": weights,
         "generator_device": str(device), "quantized_layers": len(quant_layers),
         "hidden_size": cfg["hidden_size"], "heads": cfg["num_attention_heads"],
         "head_dim": cfg["attention_head_dim"], "ffn": cfg["ffn_hidden_size"], "text_dim": cfg["text_dim"],
@@ -152,6 +163,9 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=2, help="DiT blocks (real model: 50)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--adaln", choices=["curve", "full"], default="curve")
+    ap.add_argument("--weights", choices=["fp8", "int8", "bf16"], default="fp8",
+                    help="block Linears: fp8_scaled (the reporter's failing checkpoint), ComfyUI's int8_tensorwise, "
+                         "or plain bf16 (the report's clean int8/bf16 rows)")
     ap.add_argument("--device", default=None, help="generator device (default: cuda if available)")
     ap.add_argument("--comfy", default=None, help="ComfyUI tree (default: $COMFYUI_PATH)")
     ap.add_argument("--tiny", action="store_true",
@@ -166,7 +180,7 @@ def main(argv=None):
     if a.tiny:
         dims = dict(REAL, hidden_size=256, num_attention_heads=2, ffn_hidden_size=512, text_dim=5120,
                     time_embed_hidden_size=256, time_embed_dim=128)
-    info = write(a.out, blocks=a.blocks, seed=a.seed, adaln=a.adaln, device=a.device, dims=dims)
+    info = write(a.out, blocks=a.blocks, seed=a.seed, adaln=a.adaln, device=a.device, dims=dims, weights=a.weights)
     print(json.dumps(info))
 
 
