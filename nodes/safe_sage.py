@@ -137,7 +137,8 @@ class SafeSagePreflight(io.ComfyNode):
             category="model/patch/attention",
             description=(
                 "Before you queue a long MiniMax H3 render: the packed token count of that size (ComfyUI's "
-                "own formula), which limits of the SageAttention kernel on this GPU it crosses, the plan "
+                "own formula), which limits of the SageAttention kernel on this GPU (and of comfy-kitchen's INT8 "
+                "attention, if installed) it crosses, the plan "
                 "SafeSage runs for each attention call, the MLP chunk size and the predicted memory of "
                 "both. Without a GPU it reports common GPUs. Runs no model."
             ),

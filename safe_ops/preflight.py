@@ -277,6 +277,43 @@ def mlp_transient_bytes(S: int, chunk: int, dtype_bytes: int = 2) -> int:
     return chunk * per_tok + S * H3_HIDDEN * dtype_bytes
 
 
+#: what a report without a GPU says about comfy-kitchen's int8_attention (version-dependent
+#: envelopes, the same on every arch: safe_ops/envelope_ck.py)
+COMMON_CK = (("0.2.36-0.2.40", "ck_int8"), ("0.2.29-0.2.35", "ck_int8_pre236"))
+
+
+def ck_lines(S: int, rt, budget_bytes: int | None = None) -> tuple[list[str], list[str]]:
+    """(report lines, warnings) for comfy-kitchen's int8_attention (what ``--use-ck-attention``
+    runs on newer ComfyUI) at ``S`` tokens: the installed version's envelope on a GPU, both
+    envelopes without one."""
+    from . import envelope_ck  # noqa: F401  (registers the ck families)
+    if rt.arch is not None:
+        if rt.ck_family not in FAMILIES:
+            return [f"[comfy-kitchen int8_attention] not usable here: {rt.ck_error or 'not installed'}"], []
+        cases = [(rt.ck_version or "?", rt.ck_family)]
+        where = _arch_name(rt.arch)
+    else:
+        cases, where = list(COMMON_CK), "any GPU"
+    lines, warnings = [], []
+    call = h3_attention_call(S)
+    for ver, fam in cases:
+        env = FAMILIES[fam]
+        viol = check(call, env)
+        safe = _safe_up_to(fam)
+        head = f"[comfy-kitchen {ver} int8_attention -> {fam}]"
+        if not viol:
+            lines.append(f"{head} limits: none crossed at {S:,} tokens"
+                         + (f" (safe up to {safe:,})" if safe else " (no limit up to 2,000,000)"))
+            continue
+        plan = plan_for(call, env, budget_bytes)
+        run = plan.describe(reasons=False) if plan else "no plan inside its limits, so PyTorch SDPA"
+        lines.append(f"{head} limits: H3's call crosses {len(viol)} at {S:,} tokens"
+                     + (f" (safe up to {safe:,})" if safe else "") + f"; SafeSage runs it as: {run}")
+        warnings.append(f"{S:,} tokens: comfy-kitchen {ver} int8_attention on {where} would cross its limits"
+                        + (f" (safe up to {safe:,})" if safe else "") + f"; plan: {run}")
+    return lines, warnings
+
+
 def _family_text(fam: str | None, ver: str | None) -> str:
     if fam is None:
         return "no SageAttention kernel" + (f" (sageattention {ver} has none for this GPU)" if ver else "")
@@ -370,6 +407,9 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
         lines += ls
         warnings += ws
         verdicts.append(v)
+    ls, ws = ck_lines(S, rt, verdicts[0].scenario.budget_bytes if verdicts else None)
+    lines += ls
+    warnings += ws
     for w in warnings:
         lines.append("WARNING: " + w)
     return {"text": "\n".join(lines), "tokens": t, "warnings": warnings, "verdicts": verdicts}

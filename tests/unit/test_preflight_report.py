@@ -154,3 +154,31 @@ def test_gpu_runtime_without_a_readable_free_memory(monkeypatch):
     (v,) = r["verdicts"]
     assert v.scenario.budget_bytes is None and v.plan is not None
     assert not any("free now" in w for w in r["warnings"])
+
+
+def test_comfy_kitchen_attention_in_the_report():
+    """comfy-kitchen's int8_attention (--use-ck-attention): without a GPU both version envelopes;
+    on a GPU the installed one, or why it is not usable. 0.2.29-0.2.35's limit is #178's 299,520."""
+    from dataclasses import replace
+    S = pf.h3_tokens(1280, 720, 1201).total
+    assert S > 299_520
+    r = pf.preflight_report(1280, 720, 1201, rt=CPU, comfy_wants_sage=True)
+    text = r["text"]
+    assert "[comfy-kitchen 0.2.36-0.2.40 int8_attention -> ck_int8] limits: none crossed at " \
+           f"{S:,} tokens (no limit up to 2,000,000)" in text
+    old = [line for line in text.splitlines() if line.startswith("[comfy-kitchen 0.2.29-0.2.35")]
+    assert len(old) == 1 and "(safe up to 299,520)" in old[0] and "runs it as: head_groups on ck_int8_pre236" in old[0]
+    assert any(w.startswith(f"{S:,} tokens: comfy-kitchen 0.2.29-0.2.35 int8_attention") for w in r["warnings"])
+    # below the old limit nothing is crossed and nothing is warned about comfy-kitchen
+    small = pf.preflight_report(1664, 960, 362, ref_images=3, rt=CPU, comfy_wants_sage=True)
+    assert "ck_int8_pre236] limits: none crossed at 173,062 tokens (safe up to 299,520)" in small["text"]
+    assert not any("comfy-kitchen" in w for w in small["warnings"])
+    # a GPU: only what is installed
+    gpu = replace(H200_SAGE22, ck_version="0.2.35", ck_family="ck_int8_pre236")
+    g = pf.preflight_report(1280, 720, 1201, rt=gpu, comfy_wants_sage=True, free_bytes=80 * GiB)
+    ck = [line for line in g["text"].splitlines() if line.startswith("[comfy-kitchen")]
+    assert len(ck) == 1 and ck[0].startswith("[comfy-kitchen 0.2.35 int8_attention -> ck_int8_pre236]")
+    assert any("int8_attention on sm_90 would cross" in w for w in g["warnings"])
+    none = replace(H200_SAGE22, ck_error="comfy-kitchen 0.2.26 has no int8_attention (needs >= 0.2.29)")
+    n = pf.preflight_report(1280, 720, 1201, rt=none, comfy_wants_sage=True, free_bytes=80 * GiB)
+    assert "[comfy-kitchen int8_attention] not usable here: comfy-kitchen 0.2.26 has no int8_attention" in n["text"]
