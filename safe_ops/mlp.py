@@ -65,9 +65,9 @@ H3_MLP_CLASS = "MLP"
 #: token counts the planner rounds to
 CHUNK_ALIGN = 256
 #: "auto" aims at this many tokens per chunk. Measured on an H200 through ComfyUI 0dd9b154's
-#: own ops (bench/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json): the GEMMs of
-#: 6,912-token chunks run less efficiently than the whole sequence's (fp8 up to +2.9%), those
-#: of 16,384-token chunks do not (fp8 <= +1.8%, int8 <= +1.0%).
+#: own ops (bench/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json, GPU busy as inside
+#: the model): the GEMMs of 6,912-token chunks run less efficiently than the whole sequence's
+#: (fp8 +2.8% to +3.4% over 38k-169k tokens); with 16,384-token chunks fp8 is +1.6% to +1.9%.
 AUTO_CHUNK_TOKENS = 16_384
 #: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out):
 #: what AUTO_CHUNK_TOKENS tokens of MiniMax H3's MLP (hidden 5376, ffn 14336, bf16) keep
@@ -120,8 +120,8 @@ def per_token_bytes(hidden: int, ffn: int, dtype_bytes: int) -> int:
 
     In the compute dtype: fc1 output ``2*ffn`` (gate|up), SwiGLU's output ``ffn`` (a new
     contiguous tensor on the quantised paths; the dense path writes it in place into the
-    gate half) and fc2's
-    per-chunk output ``hidden`` before it is copied into the preallocated result; plus the
+    gate half) and fc2's per-chunk output ``hidden`` before it is copied into the
+    preallocated result; plus the
     1-byte fp8 input copies of a quantised path (``hidden`` for fc1, ``ffn`` for fc2).
     The dense path needs less (no input copies, fc2 writes straight into the output).
     """
