@@ -431,6 +431,8 @@ def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
         out.append(f"H3 attention on {sc.family}: as called it is safe up to "
                    + (f"{v.safe_up_to:,} tokens" if v.safe_up_to else "any length checked (2,000,000)")
                    + f"; at {S:,} tokens (1664x960x362, 3 refs) the call runs: {v.plan.describe(reasons=False)}")
+    if rt.arch is not None and rt.ck_family in FAMILIES:
+        out += ck_lines(S, rt)[0]
     out.append("SafeSage Preflight (model/patch/attention) reports, for any H3 size before you queue it, "
                "the kernel limits it crosses and the plan SafeSage runs"
                + ("." if rt.arch is not None else " (here, without a GPU: for common GPUs)."))

@@ -101,6 +101,12 @@ def test_limits_lines_for_the_attention_node():
     assert lines[0].startswith("H3 attention on sage2_sm90: as called it is safe up to 99,865 tokens")
     assert "SafeSage Preflight" in lines[-1]
     assert len(pf.limits_lines(CPU, Policy())) == 1
+    assert not any("comfy-kitchen" in line for line in lines)          # not installed in H200_SAGE22
+    from dataclasses import replace
+    ck = pf.limits_lines(replace(H200_SAGE22, ck_version="0.2.33", ck_family="ck_int8_pre236"), Policy())
+    assert len(ck) == len(lines) + 1
+    assert ck[1] == ("[comfy-kitchen 0.2.33 int8_attention -> ck_int8_pre236] limits: none crossed at "
+                     "173,062 tokens (safe up to 299,520)")
 
 
 def test_model_context():
