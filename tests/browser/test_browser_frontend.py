@@ -49,14 +49,36 @@ def page(comfy, tiny_sd2):
         yield p
 
 
+def _with_retries(page, what: str, attempt, tries: int = 3):
+    """Run ``attempt()``; on a Playwright timeout close whatever opened (Escape, mouse away) and
+    try again, up to ``tries`` times. Seen in CI-like runs: a double-click right after the page
+    loaded that opened no search box, a submenu that closed as the mouse crossed another item."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+    for n in range(1, tries + 1):
+        try:
+            return attempt()
+        except PlaywrightTimeoutError as e:
+            if n == tries:
+                raise AssertionError(f"{what}: still timing out after {tries} tries") from e
+            print(f"\n[browser] {what}: timed out (try {n}), trying again")
+            page.keyboard.press("Escape")
+            page.mouse.move(5, 5)
+            page.wait_for_timeout(500)
+
+
 def _add_node_from_search(page, query: str, display_name: str) -> None:
     """Double-click an empty part of the canvas, type into the node search box, take the hit."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
-    page.evaluate("() => { app.canvas.ds.offset = [-6000, -6000]; app.canvas.setDirty(true, true); }")
-    page.mouse.dblclick(800, 450)
-    page.keyboard.type(query, delay=20)
     hit = page.get_by_text(display_name).first
-    hit.wait_for(timeout=15_000)
+
+    def open_and_type():
+        page.evaluate("() => { app.canvas.ds.offset = [-6000, -6000]; app.canvas.setDirty(true, true); }")
+        page.mouse.dblclick(800, 450)
+        # the search box takes the keyboard focus when it opens
+        page.wait_for_function("() => document.activeElement?.tagName === 'INPUT'", timeout=5_000)
+        page.keyboard.type(query, delay=20)
+        hit.wait_for(timeout=10_000)
+    _with_retries(page, f"node search for {display_name!r}", open_and_type)
     page.keyboard.press("Enter")
     added = "(t) => app.graph._nodes.some((n) => n.type === t)"
     try:
@@ -88,10 +110,12 @@ def _wait_queue_empty(comfy, timeout: float = 240) -> None:
 def _show_stats_from_menu(page) -> None:
     """ComfyUI logo menu > Extensions > SafeSage > "SafeSage: show run statistics" (the menu entry
     web/safesage.js registers for its command; same path in frontend 1.32.9 and 1.48.6)."""
-    page.locator(".comfyui-logo").first.click(timeout=10_000)
-    page.get_by_role("menuitem", name="Extensions").first.hover(timeout=10_000)
-    page.get_by_role("menuitem", name="SafeSage").first.hover(timeout=10_000)
-    page.get_by_role("menuitem", name="SafeSage: show run statistics").first.click(timeout=10_000)
+    def walk():
+        page.locator(".comfyui-logo").first.click(timeout=10_000)
+        page.get_by_role("menuitem", name="Extensions").first.hover(timeout=10_000)
+        page.get_by_role("menuitem", name="SafeSage").first.hover(timeout=10_000)
+        page.get_by_role("menuitem", name="SafeSage: show run statistics").first.click(timeout=10_000)
+    _with_retries(page, "menu Extensions > SafeSage > show run statistics", walk)
 
 
 def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
