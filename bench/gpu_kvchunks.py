@@ -33,8 +33,11 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import torch  # noqa: E402
+
+from benchutil import profile_table, time_ms  # noqa: E402,F401  (time_ms: used by the sections)
 
 HEADS, D = 56, 128
 ROWS = 1024
@@ -84,25 +87,6 @@ def sdpa_rows(q, k, v, idx) -> torch.Tensor:
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def time_ms(fns: dict, reps: int, warm: bool = True) -> dict:
-    """Median CUDA-event ms of each fn, interleaved (warm-up once each unless already warm)."""
-    if warm:
-        for fn in fns.values():
-            fn()
-        torch.cuda.synchronize()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            o = fn()
-            b.record()
-            torch.cuda.synchronize()
-            del o
-            times[name].append(a.elapsed_time(b))
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
 def _noop(*a, **k):
@@ -284,22 +268,7 @@ def sec_kvchunks(args) -> dict:
 
 # ---------------------------------------------------------------------- anatomy
 def _profile_table(fn, top: int = 14) -> list[dict]:
-    """CUDA kernel time per kernel name over one call of ``fn`` (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        o = fn()
-        torch.cuda.synchronize()
-    del o
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "self_device_time_total", None)
-        if t is None:
-            t = getattr(e, "self_cuda_time_total", 0)
-        if t:
-            rows.append({"name": e.key[:120], "count": e.count, "ms": round(t / 1000.0, 3)})
-    rows.sort(key=lambda r: -r["ms"])
-    return rows[:top]
+    return profile_table(fn, top)[1]
 
 
 def sec_anatomy(args) -> dict:

@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import torch  # noqa: E402
 
+from benchutil import profile_table, time_ms  # noqa: E402
+
 HIDDEN, FFN = 5376, 14336
 DEV = "cuda"
 SLEEP_CYCLES = 60_000_000    # ~30 ms at H200 clocks
@@ -79,39 +81,6 @@ def build(mode: str):
     return m
 
 
-def time_ms(fns: dict, reps: int, queued: bool = False) -> dict:
-    """Median ms per fn, interleaved. ``queued``: the GPU is first given ~30 ms of work
-    (``torch.cuda._sleep``) so the host-side setup of the call overlaps it, as inside a model
-    where the previous layer is still running; otherwise the GPU idles while the host prepares."""
-    for fn in fns.values():
-        fn()
-    sync()
-    times = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            if DEV == "cpu":
-                t0 = time.perf_counter()
-                o = fn()
-                times[name].append((time.perf_counter() - t0) * 1e3)
-                del o
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if queued:
-                torch.cuda._sleep(SLEEP_CYCLES)
-            a.record()
-            o = fn()
-            b.record()
-            torch.cuda.synchronize()
-            del o
-            times[name].append(a.elapsed_time(b))
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-
-
-def sync():
-    if DEV != "cpu":
-        torch.cuda.synchronize()
-
-
 def peak_extra(fn) -> int:
     if DEV == "cpu":
         return 0
@@ -125,20 +94,8 @@ def peak_extra(fn) -> int:
 
 
 def profile(fn, top=12) -> list[dict]:
-    from torch.profiler import ProfilerActivity, profile as prof_
-    torch.cuda.synchronize()
-    with prof_(activities=[ProfilerActivity.CUDA]) as p:
-        o = fn()
-        torch.cuda.synchronize()
-    del o
-    rows = []
-    for e in p.key_averages():
-        t = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if t:
-            rows.append({"name": e.key[:110], "count": e.count, "ms": round(t / 1000.0, 3)})
-    rows.sort(key=lambda r: -r["ms"])
-    total = round(sum(r["ms"] for r in rows), 3)
-    return [{"total_kernel_ms": total}] + rows[:top]
+    total, rows = profile_table(fn, top)
+    return [{"total_kernel_ms": total}] + rows
 
 
 def main():
@@ -201,7 +158,7 @@ def main():
                     del ref
                     stats.reset()
                     t = time_ms(fns, a.reps)
-                    tq = time_ms(fns, a.reps, queued=DEV != "cpu")
+                    tq = time_ms(fns, a.reps, queued_cycles=SLEEP_CYCLES if DEV != "cpu" else 0)
                     st = stats.as_dict()
                     for name, r in rows.items():
                         r["time_ms"] = t[name]

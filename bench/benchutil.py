@@ -1,0 +1,58 @@
+"""Timing and profiling helpers shared by the GPU benches (bench/gpu_*.py)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def time_ms(fns: dict, reps: int, warm: bool = True, queued_cycles: int = 0) -> dict:
+    """Median milliseconds of each fn over ``reps`` rounds, the fns interleaved within a round;
+    each called once first unless ``warm`` is False. CUDA events on a GPU (perf_counter without
+    one). ``queued_cycles``: before each timed call the GPU is given that many cycles of work
+    (``torch.cuda._sleep``), so the host-side setup of the call overlaps it as inside a model."""
+    cuda = torch.cuda.is_available()
+    if warm:
+        for fn in fns.values():
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    times: dict = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if not cuda:
+                t0 = time.perf_counter()
+                o = fn()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+                del o
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if queued_cycles:
+                torch.cuda._sleep(queued_cycles)
+            a.record()
+            o = fn()
+            b.record()
+            torch.cuda.synchronize()
+            del o
+            times[name].append(a.elapsed_time(b))
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def profile_table(fn, top: int = 14) -> tuple[float, list[dict]]:
+    """(total CUDA kernel ms, the ``top`` kernels by time as {name, count, ms}) over one call of
+    ``fn`` (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        o = fn()
+        torch.cuda.synchronize()
+    del o
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = getattr(e, "self_cuda_time_total", 0)
+        if t:
+            rows.append({"name": e.key[:120], "count": e.count, "ms": round(t / 1000.0, 3)})
+    rows.sort(key=lambda r: -r["ms"])
+    return round(sum(r["ms"] for r in rows), 3), rows[:top]
