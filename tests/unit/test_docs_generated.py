@@ -1,0 +1,52 @@
+"""docs/BENCHMARKS.md is what bench/tables.py makes of the committed JSON, and every source the
+kernel table cites is a committed result file: a number in the docs always points to a JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _tables():
+    spec = importlib.util.spec_from_file_location("bench_tables", REPO / "bench" / "tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmarks_doc_is_generated_from_the_results():
+    want = _tables().render()
+    got = (REPO / "docs" / "BENCHMARKS.md").read_text()
+    assert got == want, "docs/BENCHMARKS.md is stale: run `python bench/tables.py` and commit it"
+
+
+def test_every_result_section_has_its_json_and_command():
+    t = _tables()
+    for name, _ in t.SECTIONS:
+        path = REPO / "bench" / "results" / name
+        assert path.exists(), f"tables.py renders {name}, which is not committed"
+        d = json.loads(path.read_text())
+        command = d.get("command") or d.get("env", {}).get("command")
+        assert command and "bench/" in command, f"{name} does not record the command that made it"
+
+
+def test_kernel_table_sources_are_committed_results():
+    table = json.loads((REPO / "safe_ops" / "kernel_table.json").read_text())
+    for arch, entry in table["archs"].items():
+        cited = re.findall(r"(bench/results/[\w.-]+\.json)", entry["source"])
+        assert cited, f"{arch}: the kernel table names no result file"
+        for c in cited:
+            assert (REPO / c).exists(), f"{arch}: {c} is cited but not committed"
+        # every family's number comes from a file that measured it
+        measured = set()
+        for c in cited:
+            d = json.loads((REPO / c).read_text())
+            fam = d.get("sections", {}).get("families", {}).get("kernel_table_tflops", {})
+            measured |= set(fam)
+            for row in d.get("rows", []):
+                measured |= set(row.get("tflops", {}))
+        assert set(entry["tflops"]) <= measured, (arch, set(entry["tflops"]) - measured)
