@@ -232,6 +232,7 @@ class _Prepared:
     envelopes: list                   # the candidate kernels' envelopes, in preference order
     by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
     class_keys: dict                  # kernel family -> verifier class key of this call
+    tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
 
 
 # CUDA errors that leave the context unusable (sticky): nothing can be recomputed after them.
@@ -394,7 +395,7 @@ class SafeAttention:
             return p.plan
         new = p.by_budget.get(budget)
         if new is None:
-            new = p.by_budget[budget] = choose(p.call, p.envelopes, budget)
+            new = p.by_budget[budget] = choose(p.call, p.envelopes, budget, p.tflops)
             if new != p.plan:
                 report.count("replans")
                 report.once(("replan", p.plan, budget), logging.INFO,
@@ -459,13 +460,15 @@ class SafeAttention:
                                                        self.verifier.known_bad(self._class_key(f, call)))]
         envelopes = [self.kernels[f].envelope for f in cand]
         budget = self._budget(q.device)
-        plan = choose(call, envelopes, budget)
+        # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
+        tflops = (measured_tflops(self.rt.arch_name) or None) if self.policy.kernel == "auto" else None
+        plan = choose(call, envelopes, budget, tflops)
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
         report.remember_plan(shape_key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
         envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
         return _Prepared(plan, call, shape_key, f"plan:{plan.kind}", envelopes,
-                         {} if budget is None else {budget: plan}, {})
+                         {} if budget is None else {budget: plan}, {}, tflops)
 
     @staticmethod
     def _class_key(family: str, call: AttnCall) -> tuple:

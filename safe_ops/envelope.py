@@ -164,6 +164,9 @@ class Envelope:
     # the unchunked call would (sage 2.x ``smooth_k``): the row-constant q.mean(k) term then
     # drops out of every chunk's LSE alike and cancels in the merge.
     lse_centred_k: bool = False
+    # Time of the LSE-returning call relative to the plain one on the same inputs (measured):
+    # what a kv_chunks plan pays before any split, which the priced choice of ``auto`` counts.
+    lse_time_factor: float = 1.0
 
 
 def term_value(call: AttnCall, term: IndexTerm) -> tuple[int, str]:

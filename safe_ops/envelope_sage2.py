@@ -108,6 +108,10 @@ SM89 = "csrc/qattn/qk_int_sv_f8_cuda_sm89.cuh"
 SM89_LAUNCH = "csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu"
 SM90 = "csrc/qattn/qk_int_sv_f8_cuda_sm90.cu"
 
+#: sage 2.2.0's ``return_lse=True`` kernel variant vs the plain one, same inputs: 2,217 vs 2,115 ms
+#: (sage2_fp8pv_perwarp, 169,000 H3 tokens, H200; bench/results/kv_anatomy_h200.json). Measured
+#: on the sm89 FP8 kernel; assumed for the other sage 2 kernels until they are measured.
+LSE_TIME_FACTOR = 1.048
 FP8_SM120_MAX_KV_LEN = 150_000     # exclusive: kv_len must be < this (SageAttention #388)
 
 
@@ -425,6 +429,7 @@ _t, _d = _per_thread_triton()
 SAGE2_SM80 = register(Envelope(
     family="sage2_sm80",
     returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
+    lse_time_factor=LSE_TIME_FACTOR,
     source=SOURCE,
     head_dims=(64, 128),                   # dispatch_utils.h:23-34 (core.py:560-570 pads others)
     dtypes=("float16", "bfloat16"),        # core.py:541
@@ -456,6 +461,7 @@ _t, _d = _per_block_triton()
 SAGE2_SM86_TRITON = register(Envelope(
     family="sage2_sm86_triton",
     returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
+    lse_time_factor=LSE_TIME_FACTOR,
     source=SOURCE,
     head_dims=(64, 128),                   # tl.arange(0, C) needs a power of two; core.py:260-269 pads
     dtypes=("float16", "bfloat16"),        # core.py:242
@@ -498,6 +504,7 @@ _t, _d = _per_thread_triton()
 SAGE2_SM89_FP8PV = register(Envelope(
     family="sage2_sm89_fp8pv",
     returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
+    lse_time_factor=LSE_TIME_FACTOR,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:725
@@ -515,6 +522,7 @@ _FP8_PERWARP_RULES = _v_fp8_dterms("v", "v_t") + _FP8_ATTN_V
 SAGE2_FP8PV_PERWARP = register(Envelope(
     family="sage2_fp8pv_perwarp",
     returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
+    lse_time_factor=LSE_TIME_FACTOR,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -531,6 +539,7 @@ SAGE2_FP8PV_PERWARP = register(Envelope(
 SAGE2_SM120_FP8PV = register(Envelope(
     family="sage2_sm120_fp8pv",
     returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
+    lse_time_factor=LSE_TIME_FACTOR,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -567,6 +576,7 @@ _SM90_INT_STRIDES = IntStrideRule(
 SAGE2_SM90 = register(Envelope(
     family="sage2_sm90",
     returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
+    lse_time_factor=LSE_TIME_FACTOR,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:912

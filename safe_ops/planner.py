@@ -58,6 +58,7 @@ class Plan:
     reasons: tuple[str, ...] = ()  # why not direct (violations of the kernel that was asked)
     kernel_temp_bytes: int = 0     # what one launch allocates itself (quantised copies, output), if known
     kv_chunk: int = 0              # key/value tokens per launch (0 = all), merged by log-sum-exp
+    time_factor: float = 1.0       # the kernel's own time vs a plain call (kv_chunks: its LSE variant)
 
     @property
     def peak_bytes(self) -> int:
@@ -73,7 +74,8 @@ class Plan:
         if self.q_chunk:
             parts.append(f"{self.q_chunk:,} query tokens per launch")
         if self.kv_chunk:
-            parts.append(f"{self.kv_chunk:,} key tokens per launch merged by log-sum-exp")
+            parts.append(f"{self.kv_chunk:,} key tokens per launch merged by log-sum-exp"
+                         + (f" (LSE kernel x{self.time_factor:.3f})" if self.time_factor != 1.0 else ""))
         parts.append(f"{self.launches} launch(es), +{self.extra_bytes / 2**20:.1f} MiB, ~+{self.cost_us:.0f} us")
         if self.kernel_temp_bytes:
             parts.append(f"kernel temporaries {self.kernel_temp_bytes / 2**20:.0f} MiB per launch")
@@ -252,7 +254,7 @@ def _priced(call: AttnCall, env: Envelope, repack: tuple[str, ...], layout: str,
             "query_chunks" if n_chunks > 1 else "repack" if repack else "direct")
     return Plan(kind, env.family, layout, tuple(repack), g if n_groups > 1 else 0,
                 qc if n_chunks > 1 else 0, launches, extra, cost, reasons, _temp(env, sub),
-                kc if n_kv > 1 else 0)
+                kc if n_kv > 1 else 0, env.lse_time_factor if n_kv > 1 else 1.0)
 
 
 def _temp(env: Envelope, call: AttnCall) -> int:
@@ -263,19 +265,51 @@ def sdpa_plan(call: AttnCall, reasons: tuple[str, ...] = ()) -> Plan:
     return Plan("sdpa", "sdpa", "HND", reasons=reasons)
 
 
-def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None = None) -> Plan:
+def estimated_us(call: AttnCall, plan: Plan, tflops: float) -> float:
+    """Device time of ``plan`` for ``call`` on a kernel measured at ``tflops`` in-limit:
+    the attention's FLOPs at that rate, times the plan's kernel-variant factor, plus its
+    copies and launches (``cost_us``)."""
+    b, h, sq, d = call.q.shape
+    flops = 4.0 * b * h * sq * call.kv_len * d
+    return flops / (tflops * 1e6) * plan.time_factor + plan.cost_us
+
+
+def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None = None,
+           tflops: dict[str, float] | None = None) -> Plan:
     """First kernel (in preference order) that has a plan; SDPA when none does.
 
-    An SDPA plan reached because every sage kernel was ruled out carries the
-    reasons (a fallback); one chosen on purpose (SDPA first in the order) has none.
+    ``tflops`` (measured in-limit TFLOP/s per family, SDPA included: ``auto`` on a measured
+    GPU): among the leading families that have a number, the plan with the smallest
+    :func:`estimated_us` wins, so a sage family measured faster than SDPA in-limit still
+    loses to SDPA where its plan (e.g. kv_chunks with its LSE kernel) costs more than the lead.
+
+    An SDPA plan reached because a sage kernel ahead of it was ruled out carries the
+    reasons (a fallback); one chosen on purpose (SDPA first in the order, or priced
+    faster than every sage plan) has none.
     """
     reasons: list[str] = []
+    best: tuple[float, Plan] | None = None
     for env in envelopes:
+        priced = tflops is not None and env.family in tflops
+        if best is not None and not priced:
+            break                          # the measured families lead the order (auto_order)
         if env.family == "sdpa":
-            break
+            if not priced:
+                break
+            # a family measured faster that could not run this call makes SDPA a fallback
+            plan = sdpa_plan(call, tuple(reasons))
+            t = estimated_us(call, plan, tflops["sdpa"])
+            if best is None or t < best[0]:
+                best = (t, plan)
+            break                          # families after SDPA are measured slower in-limit
         plan = plan_for(call, env, budget_bytes)
         if plan is not None:
-            return plan
+            if not priced:
+                return plan
+            t = estimated_us(call, plan, tflops[env.family])
+            if best is None or t < best[0]:
+                best = (t, plan)
+            continue
         viol = check(call, env)
         soft = SOFT_RULES_LSE if env.returns_lse else SOFT_RULES
         hard = [str(v) for v in viol if v.rule not in soft]
@@ -283,4 +317,6 @@ def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None =
         why = "; ".join(hard) or (f"no plan within {budget} memory budget (copies + kernel temporaries): "
                                   + "; ".join(map(str, viol)))
         reasons.append(f"{env.family}: {why}")
+    if best is not None:
+        return best[1]
     return sdpa_plan(call, tuple(reasons))

@@ -422,6 +422,27 @@ def make_lse_attn(limit, centred=True):
     return att, fn
 
 
+@pytest.mark.parametrize("toy_tflops,want", [(0.002, "kv_chunks"), (0.00105, "sdpa")])
+def test_auto_prices_kv_chunks_against_sdpa(small_kv_chunks, monkeypatch, toy_tflops, want):
+    """kernel=auto on a measured GPU: the toy family is measured faster than SDPA in-limit, but
+    its kv_chunks plan pays its LSE kernel (x1.3 here): 2x faster still chunks, 5 % faster runs
+    SDPA -- on purpose, so not counted as a fallback."""
+    from safe_ops import runtime as R
+    table = {"archs": {"sm_120": {"tflops": {"toy_sage2": toy_tflops, "sdpa": 0.001}}}}
+    monkeypatch.setattr(R, "kernel_table", lambda: table)
+    env = dataclasses.replace(lse_envelope(100), lse_time_factor=1.3)
+    fn = LseKernel(env)
+    rt = Runtime("test", None, "RTX 5090", (12, 0), None, None, "test", None, None, None)
+    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[Kernel(env, fn, 0.05, fn.lse)], rt=rt)
+    assert att.candidates(None, comfy_wants_sage=False)[0] == "toy_sage2"     # measured faster in-limit
+    q, k, v = h3_like(150, seed=3)
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
+    assert report.STATS[f"plan:{want}"] == 1 and not report.FALLBACKS
+    assert (len(fn.kv_lens) > 1) == (want == "kv_chunks")
+
+
 @pytest.fixture
 def small_kv_chunks(monkeypatch):
     """CPU-sized key chunks: align to 16 tokens, no 4096-token minimum."""

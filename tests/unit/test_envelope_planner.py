@@ -198,6 +198,36 @@ def test_sm120_length_rule_gets_key_chunks_not_sdpa():
         assert "key tokens per launch merged by log-sum-exp" in str(ch)
 
 
+def test_priced_choice_counts_the_lse_kernel():
+    """auto on a measured GPU (choose with TFLOP/s): a sage family measured faster than SDPA
+    in-limit keeps its kv_chunks plan only while its LSE kernel (x1.048, measured) and merge
+    still beat SDPA; below that margin SDPA runs, chosen on purpose (no fallback reasons). A
+    family that cannot run the call at all still makes SDPA a fallback."""
+    from safe_ops.envelope_sage2 import LSE_TIME_FACTOR, SAGE2_SM120_FP8PV
+    from safe_ops.planner import estimated_us
+    call = call_of(h3_view(169_000), layout="NHD")
+    kv = choose(call, [SAGE2_SM120_FP8PV, SDPA])                       # unpriced: first that fits
+    assert kv.kind == "kv_chunks" and kv.time_factor == LSE_TIME_FACTOR == SAGE2_SM120_FP8PV.lse_time_factor
+    assert "(LSE kernel x1.048)" in kv.describe()
+    direct = plan_for(call_of(h3_view(100_000), layout="NHD"), SAGE2_SM120_FP8PV)
+    assert direct.kind == "direct" and direct.time_factor == 1.0
+    # about the lead over SDPA that sage needs for its chunked plan to pay: the LSE kernel plus
+    # the merge's copies, at SDPA's rate
+    even = 500.0 * estimated_us(call, kv, 500.0) / estimated_us(call, Plan("sdpa", "sdpa", "HND"), 500.0)
+    assert LSE_TIME_FACTOR < even / 500.0 < LSE_TIME_FACTOR + 0.02
+    fast = choose(call, [SAGE2_SM120_FP8PV, SDPA], tflops={"sage2_sm120_fp8pv": 1.2 * even, "sdpa": 500.0})
+    assert fast == kv
+    slow = choose(call, [SAGE2_SM120_FP8PV, SDPA], tflops={"sage2_sm120_fp8pv": 0.98 * even, "sdpa": 500.0})
+    assert slow.kind == "sdpa" and slow.reasons == ()                   # priced, not a fallback
+    # in limits (no LSE, no copies) the same 2 % lead over SDPA keeps sage
+    small = call_of(h3_view(100_000), layout="NHD")
+    assert choose(small, [SAGE2_SM120_FP8PV, SDPA], tflops={"sage2_sm120_fp8pv": 510.0, "sdpa": 500.0}) == direct
+    # a family ahead of SDPA that cannot run the call: SDPA with its reasons
+    masked = choose(call_of(h3_view(100_000), layout="NHD", has_mask=True), [SAGE2_SM120_FP8PV, SDPA],
+                    tflops={"sage2_sm120_fp8pv": 900.0, "sdpa": 500.0})
+    assert masked.kind == "sdpa" and masked.reasons and "sage2_sm120_fp8pv" in masked.reasons[0]
+
+
 def test_no_lse_no_key_chunks():
     """A family that cannot return its LSE (sage 1.0.6 sageattn) keeps length rules hard."""
     from safe_ops.envelope_sage2 import KvLenRule
