@@ -59,6 +59,7 @@ class Plan:
     kernel_temp_bytes: int = 0     # what one launch allocates itself (quantised copies, output), if known
     kv_chunk: int = 0              # key/value tokens per launch (0 = all), merged by log-sum-exp
     time_factor: float = 1.0       # the kernel's own time vs a plain call (kv_chunks: its LSE variant)
+    note: str = ""                 # why this plan won a priced choice (auto on a measured GPU)
 
     @property
     def peak_bytes(self) -> int:
@@ -80,6 +81,8 @@ class Plan:
         if self.kernel_temp_bytes:
             parts.append(f"kernel temporaries {self.kernel_temp_bytes / 2**20:.0f} MiB per launch")
         s = ", ".join(parts)
+        if self.note:
+            s += "; " + self.note
         if reasons and self.reasons:
             s += "; because " + "; ".join(self.reasons)
         return s
@@ -299,8 +302,12 @@ def choose(call: AttnCall, envelopes: list[Envelope], budget_bytes: int | None =
             # a family measured faster that could not run this call makes SDPA a fallback
             plan = sdpa_plan(call, tuple(reasons))
             t = estimated_us(call, plan, tflops["sdpa"])
-            if best is None or t < best[0]:
+            if best is None:
                 best = (t, plan)
+            elif t < best[0]:
+                lost = best[1]
+                best = (t, replace(plan, note=f"priced: SDPA ~{t / 1e3:,.1f} ms vs {lost.kind} on {lost.kernel} "
+                                              f"~{best[0] / 1e3:,.1f} ms"))
             break                          # families after SDPA are measured slower in-limit
         plan = plan_for(call, env, budget_bytes)
         if plan is not None:

@@ -219,6 +219,7 @@ def test_priced_choice_counts_the_lse_kernel():
     assert fast == kv
     slow = choose(call, [SAGE2_SM120_FP8PV, SDPA], tflops={"sage2_sm120_fp8pv": 0.98 * even, "sdpa": 500.0})
     assert slow.kind == "sdpa" and slow.reasons == ()                   # priced, not a fallback
+    assert slow.note.startswith("priced: SDPA ~") and "vs kv_chunks on sage2_sm120_fp8pv ~" in slow.describe()
     # in limits (no LSE, no copies) the same 2 % lead over SDPA keeps sage
     small = call_of(h3_view(100_000), layout="NHD")
     assert choose(small, [SAGE2_SM120_FP8PV, SDPA], tflops={"sage2_sm120_fp8pv": 510.0, "sdpa": 500.0}) == direct
