@@ -199,7 +199,8 @@ def anatomy_section(d) -> list[str]:
              "pack_kv": "SafeAttention kv_chunks plan (the real path)", "pack_ref": "SafeAttention unchunked plan"}
     out = ["## Where kv_chunks' time goes", "",
            f"Measured by {_env_line(d['env'])}. `{a['family']}` at {a['S']:,} tokens, raw kernel on contiguous NHD "
-           f"copies unless noted; plan: {a['plan_kv'].split(';')[0]}. Median of {len(a['ms'])} variants interleaved.", "",
+           f"copies unless noted; plan: {a['plan_kv'].split(';')[0]}. The {len(a['ms'])} variants interleaved, median "
+           "of `--anatomy-reps` rounds (in the command).", "",
            "| variant | ms | / kernel, all keys |", "|---|---|---|"]
     for k, v in a["ms"].items():
         out.append(f"| {names.get(k, k)} | {v:.1f} | {a['over_whole'][k]:.3f} |")
