@@ -157,8 +157,6 @@ def ck_kernel(rt: Runtime | None = None) -> Kernel | None:
     returns no LSE (``Envelope.returns_lse`` False: no kv_chunks)."""
     rt = rt or runtime()
     fam = rt.ck_family
-    if fam is None:
-        return None
     if fam not in FAMILIES:
         return None
     try:

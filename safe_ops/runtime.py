@@ -276,7 +276,8 @@ def explain_auto(rt: Runtime, families: list[str], comfy_choice: str | None = No
 
     ``families``: the installed non-SDPA families (e.g. ``SafeAttention.kernels`` minus sdpa).
     Per call, the planner still falls back down the order when a kernel cannot run a call
-    safely (those fallbacks are counted and logged separately)."""
+    safely (those fallbacks are counted and logged separately), and on a measured GPU runs
+    SDPA where it is cheaper than the preferred kernel's plan for that call (planner.choose)."""
     if kernel_policy == "sdpa":
         return "kernel 'sdpa': PyTorch SDPA for every call, as asked"
     if kernel_policy == "sage":
