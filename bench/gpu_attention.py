@@ -142,6 +142,10 @@ def child(S: int, layout: str, out_path: str) -> None:
         json.dump(res, f)
 
 
+FAULT_MARKS = ("CUDA error", "illegal memory access", "Triton Error [CUDA]", "misaligned address",
+               "unspecified launch failure", "AcceleratorError")
+
+
 def run_child(S: int, layout: str, timeout: int = 300) -> dict:
     tmp = f"/tmp/safesage_child_{S}_{layout}.json"
     if os.path.exists(tmp):
@@ -160,10 +164,19 @@ def run_child(S: int, layout: str, timeout: int = 300) -> dict:
             res.update(json.load(f))
     tol = sage_kern().tolerance
     res["tolerance"] = tol
-    res["outcome"] = ("fault" if p.returncode != 0 else
-                      "wrong" if not res.get("worst_head_rel_err", 1) <= tol or not res.get("finite", True)
-                      or not res.get("tail_worst_row_rel_err", 0) <= WRONG_ROW else "correct")
+    res["outcome"] = outcome(p.returncode, p.stderr or "", res, tol)
     return res
+
+
+def outcome(returncode: int, stderr: str, res: dict, tol: float) -> str:
+    """correct | wrong | fault | error for one unguarded child. A nonzero exit is a fault only
+    when CUDA says so (or a signal killed it): a Python error such as "SM90 kernel is not
+    available" is the build refusing the call ("error"), not the kernel faulting."""
+    if returncode == 0:
+        ok = (res.get("worst_head_rel_err", 1) <= tol and res.get("finite", True)
+              and res.get("tail_worst_row_rel_err", 0) <= WRONG_ROW)
+        return "correct" if ok else "wrong"
+    return "fault" if returncode < 0 or any(m in stderr for m in FAULT_MARKS) else "error"
 
 
 # ------------------------------------------------------------------------- stress
