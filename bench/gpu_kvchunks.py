@@ -41,7 +41,7 @@ from benchutil import profile_table, time_ms  # noqa: E402,F401  (time_ms: used 
 
 HEADS, D = 56, 128
 ROWS = 1024
-SAGE2_FAMILIES = ("sage2_sm80", "sage2_sm89_fp8pv", "sage2_fp8pv_perwarp", "sage2_sm90")
+SAGE2_FAMILIES = ("sage2_sm80", "sage2_sm86_triton", "sage2_sm89_fp8pv", "sage2_fp8pv_perwarp", "sage2_sm90")
 SM120_KV_RULE = 150_000     # envelope_sage2.FP8_SM120_MAX_KV_LEN: the rule kv_chunks exists for
 
 
@@ -123,6 +123,29 @@ def guarded(kern, policy=None):
 
 
 # ---------------------------------------------------------------------- families
+def inlimit_fn(kern, nhd):
+    """The raw kernel on in-limit inputs: contiguous NHD copies, in the fewest equal head groups
+    whose every launch passes the family's envelope. At 314,437 tokens a whole
+    contiguous NHD call is itself past sage2_sm80's limit (299,595), so it cannot be the
+    reference there. Returns (callable, number of groups)."""
+    from safe_ops.envelope import AttnCall, TensorDesc, check
+    from safe_ops.runtime import runtime
+    S = nhd[0].shape[1]
+    for groups in (g for g in range(1, HEADS + 1) if HEADS % g == 0):
+        hg = HEADS // groups
+        t = TensorDesc.contiguous((1, hg, S, D), "NHD")
+        call = AttnCall(t, t, t, "bfloat16", "NHD", False, "cuda", runtime().arch_name, 2)
+        if not check(call, kern.envelope):
+            break
+    else:
+        raise RuntimeError(f"{kern.family}: no head group of contiguous NHD at {S:,} tokens is in limit")
+    if groups == 1:
+        return (lambda: kern.fn(*nhd, "NHD", None)), 1
+    hg = HEADS // groups
+    parts = [[x[:, :, i * hg:(i + 1) * hg].contiguous() for x in nhd] for i in range(groups)]
+    return (lambda: [kern.fn(*p, "NHD", None) for p in parts]), groups
+
+
 def sec_families(args) -> dict:
     """Each family at H3 shapes: the guarded call on the strided views (the plan the planner
     picks for that family alone) and the raw kernel on in-limit inputs (contiguous NHD copies);
@@ -151,7 +174,8 @@ def sec_families(args) -> dict:
                 r["rel_l2_vs_sdpa"] = rel_l2(o[:, :, idx], ref)
                 r["finite"] = bool(torch.isfinite(o).all())
                 del o
-                kin = lambda: kern.fn(*nhd, "NHD", None)  # noqa: E731
+                kin, groups = inlimit_fn(kern, nhd)
+                r["inlimit_head_groups"] = groups
                 t = time_ms({"guarded": g, "inlimit": kin}, args.reps)
                 r.update(guarded_ms=t["guarded"], inlimit_kernel_ms=t["inlimit"],
                          guarded_over_inlimit=t["guarded"] / t["inlimit"],
@@ -480,9 +504,11 @@ def sec_guard(args) -> dict:
     return {"rows": rows}
 
 
-def update_table(result_path: str, table_path: str) -> dict:
+def update_table(result_path: str, table_path: str, only: list[str] | None = None) -> dict:
     """Merge a run's measured TFLOP/s (``families`` section: families whose output was right)
-    into safe_ops/kernel_table.json under the run's arch; families not re-measured are kept."""
+    into safe_ops/kernel_table.json under the run's arch; families not re-measured are kept.
+    ``only``: merge just these families (a run at other sizes adds a family without moving
+    the medians the others were measured at)."""
     with open(result_path) as f:
         res = json.load(f)
     fam = res.get("sections", {}).get("families", {})
@@ -492,11 +518,14 @@ def update_table(result_path: str, table_path: str) -> dict:
     with open(table_path) as f:
         table = json.load(f)
     entry = table.setdefault("archs", {}).setdefault(arch, {})
+    new = {k: v for k, v in fam["kernel_table_tflops"].items() if only is None or k in only}
+    if not new:
+        raise SystemExit(f"{result_path}: none of {only} measured right in this run")
     tflops = dict(entry.get("tflops", {}))
-    tflops.update(fam["kernel_table_tflops"])
+    tflops.update(new)
     sources = [x for x in str(entry.get("source", "")).split(" | ") if x]
     rel = os.path.relpath(os.path.abspath(result_path), ROOT)
-    sources.append(f"{rel} (families: {', '.join(sorted(fam['kernel_table_tflops']))}): {res['env']['command']}")
+    sources.append(f"{rel} (families: {', '.join(sorted(new))}): {res['env']['command']}")
     entry.update(gpu=res["env"]["gpu"], tflops={k: tflops[k] for k in sorted(tflops)},
                  sizes=sorted(set(entry.get("sizes", [])) | set(fam["sizes"])), source=" | ".join(sources))
     with open(table_path, "w") as f:
@@ -554,6 +583,8 @@ def main() -> None:
     ap.add_argument("--section-timeout", type=int, default=420)
     ap.add_argument("--update-table", metavar="RESULT_JSON",
                     help="merge RESULT_JSON's measured TFLOP/s into safe_ops/kernel_table.json and exit (no GPU)")
+    ap.add_argument("--table-families", default=None, metavar="A,B",
+                    help="with --update-table: merge only these families")
     ap.add_argument("--child")
     ap.add_argument("--child-out")
     args = ap.parse_args()
@@ -567,7 +598,8 @@ def main() -> None:
     args.kv_families = [x for x in str(args.kv_families).split(",") if x]
     args.guard_families = [x for x in str(args.guard_families).split(",") if x]
     if args.update_table:
-        entry = update_table(args.update_table, os.path.join(ROOT, "safe_ops", "kernel_table.json"))
+        entry = update_table(args.update_table, os.path.join(ROOT, "safe_ops", "kernel_table.json"),
+                             args.table_families.split(",") if args.table_families else None)
         print(json.dumps(entry, indent=1))
         return
     if args.child:

@@ -11,8 +11,11 @@ import argparse
 import json
 import os
 import statistics
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)          # safe_ops, for the envelope columns (CPU only, no torch)
 RES = os.path.join(ROOT, "bench", "results")
 GiB = 2**30
 
@@ -220,16 +223,18 @@ def families_section(d) -> list[str]:
     out = [f"## Kernel families at H3 shapes ({', '.join(sorted({k for r in f['rows'] for k in r['families']}))})", "",
            f"Measured by {_env_line(d['env'])}, comfy-kitchen {d['env'].get('comfy-kitchen')}. Guarded: through "
            "`SafeAttention` on H3's strided views (the plan the planner picks for that family alone); in-limit: the "
-           "raw kernel on pre-made contiguous NHD copies. TFLOP/s from the in-limit time.", "",
-           "| S | family | plan | rel. L2 vs SDPA | guarded / in-limit | TFLOP/s | SDPA TFLOP/s |",
-           "|---|---|---|---|---|---|---|"]
+           "raw kernel on pre-made contiguous NHD copies (in the fewest head groups whose launches are inside the "
+           "family's envelope, where a whole copy is not: the column after the ratio). TFLOP/s from the in-limit time.", "",
+           "| S | family | plan | rel. L2 vs SDPA | guarded / in-limit | in-limit head groups | TFLOP/s | SDPA TFLOP/s |",
+           "|---|---|---|---|---|---|---|---|"]
     for r in f["rows"]:
         for fam, x in r["families"].items():
             if "error" in x:
-                out.append(f"| {r['S']:,} | {fam} | error: {x['error'][:70]} | | | | {r['tflops']['sdpa']:.0f} |")
+                out.append(f"| {r['S']:,} | {fam} | error: {x['error'][:70]} | | | | | {r['tflops']['sdpa']:.0f} |")
                 continue
             out.append(f"| {r['S']:,} | {fam} | {x['plan'].split(';')[0].split(',')[0]} | {x['rel_l2_vs_sdpa']:.4f} "
-                       f"| {x['guarded_over_inlimit']:.4f} | {x['tflops_inlimit']:.0f} | {r['tflops']['sdpa']:.0f} |")
+                       f"| {x['guarded_over_inlimit']:.4f} | {x.get('inlimit_head_groups', 1)} | {x['tflops_inlimit']:.0f} "
+                       f"| {r['tflops']['sdpa']:.0f} |")
     out += ["", f"Into `kernel_table.json`: {f['kernel_table_tflops']}; excluded (wrong or failing): "
             f"{f['excluded_from_table'] or 'none'}." + (f" {d['note']}" if d.get("note") else "")]
     return out + [""]
@@ -250,15 +255,49 @@ def mlp_comfy_section(d) -> list[str]:
     return out + [""]
 
 
+def ck_probe_call(side: str, layout: str, S: int):
+    """The AttnCall of one ``gpu_kvchunks.py ck_probe`` attempt (256 rows on the short side)."""
+    from safe_ops.envelope import AttnCall, TensorDesc
+    H, D = 56, 128
+    strides = {"strided": (H * D, D, 3 * H * D, 1),                  # H3's fused-qkv views (h3_views)
+               "hnd": (H * S * D, S * D, D, 1), "nhd": (S * H * D, D, H * D, 1)}
+    long_ = TensorDesc((1, H, S, D), strides[layout])
+    short = TensorDesc.contiguous((1, H, 256, D), "HND")
+    q, kv = (short, long_) if side == "kv" else (long_, short)
+    return AttnCall(q, kv, kv, "bfloat16", "HND", False, "cuda", "sm_90", 2)
+
+
+def ck_predicted_first_refusing(version: str, side: str, layout: str, hi: int) -> int | None:
+    """The first S <= hi that SafeSage's envelope for comfy-kitchen ``version`` says refuses."""
+    from safe_ops.envelope import FAMILIES, check
+    from safe_ops.envelope_ck import ck_family_for      # importing it registers the ck families
+    env = FAMILIES[ck_family_for(version)]
+    bad = lambda n: bool(check(ck_probe_call(side, layout, n), env))  # noqa: E731
+    if not bad(hi):
+        return None
+    lo = 1024
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if bad(mid) else (mid, hi)
+    return hi
+
+
 def ck_probe_section(d) -> list[str]:
     p = d["sections"]["ck_probe"]
-    out = [f"## comfy-kitchen {d['env'].get('comfy-kitchen')} `int8_attention`: where it refuses", "",
-           f"Measured by {_env_line(d['env'])}. Key side: 256 queries x S keys; query side: S queries x 256 keys.", "",
-           "| side | layout of the long tensor | first refusing S | rel. L2 at 299,520 / 299,521 / max |", "|---|---|---|---|"]
+    ver = d["env"].get("comfy-kitchen")
+    out = [f"## comfy-kitchen {ver} `int8_attention`: where it refuses", "",
+           f"Measured by {_env_line(d['env'])}. Key side: 256 queries x S keys; query side: S queries x 256 keys. "
+           "*Envelope*: the first S SafeSage's envelope for this version marks as refused "
+           "(`bench/tables.py ck_predicted_first_refusing`, computed when this page is generated).", "",
+           "| side | layout of the long tensor | first refusing S | envelope | rel. L2 at 299,520 / 299,521 / max |",
+           "|---|---|---|---|---|"]
     for r in p["probes"]:
         at = r.get("rel_l2_at", {})
-        fmt = lambda x: f"{x:.4f}" if isinstance(x, float) else str(x)[:40]  # noqa: E731
-        out.append(f"| {r['side']} | {r['layout']} | {r.get('first_failing') or 'none up to ' + format(r.get('passes_up_to', 0), ',')} "
+        fmt = lambda x: f"{x:.4f}" if isinstance(x, float) else "–" if x is None else str(x)[:40]  # noqa: E731
+        hi = r.get("first_failing") or r.get("passes_up_to", 0)
+        pred = ck_predicted_first_refusing(ver, r["side"], r["layout"], hi)
+        out.append(f"| {r['side']} | {r['layout']} | {format(hi, ',') if r.get('first_failing') else 'none up to ' + format(hi, ',')} "
+                   f"| {format(pred, ',') if pred else 'none up to ' + format(hi, ',')} "
                    f"| {fmt(at.get('299520'))} / {fmt(at.get('299521'))} / {fmt(r.get('rel_l2_at_max'))} |")
     return out + [""]
 
@@ -291,8 +330,11 @@ SECTIONS = (("stress_h200.json", stress_section), ("stress_nhd_repack_h200.json"
             ("kvchunks_families_h200.json", families_section),
             ("ck240_families_h200.json", families_section),
             ("ck239_families_h200.json", families_section),
+            ("families_230k_h200.json", families_section),
             ("ck240_probe_h200.json", ck_probe_section),
             ("ck239_probe_h200.json", ck_probe_section),
+            ("ck235_probe_h200.json", ck_probe_section),
+            ("stress_sage22_sm86_h200.json", stress_section),
             ("mlp_comfy_h200.json", mlp_comfy_section),
             ("mlp_comfy_h200_run1.json", mlp_comfy_section))
 TABLE_PATH = os.path.join(ROOT, "safe_ops", "kernel_table.json")
@@ -336,7 +378,7 @@ def render() -> str:
         fams = list(e["tflops"])
         lines += ["| arch | GPU | " + " | ".join(fams) + " |", "|---|---|" + "---|" * len(fams),
                   f"| {arch} | {e['gpu']} | " + " | ".join(f"{e['tflops'][k]:.0f}" for k in fams) + " |", "",
-                  f"TFLOP/s, median over {', '.join(f'{x:,}' for x in e['sizes'])} tokens. Sources: {e['source']}", ""]
+                  f"TFLOP/s, each family the median over the sizes its source measured (all together: {', '.join(f'{x:,}' for x in e['sizes'])} tokens). Sources: {e['source']}", ""]
     lines += ["So on an H200 `auto` prefers PyTorch SDPA over every kernel family measured there; the guard "
               "still protects `kernel=sage`.", ""]
     return "\n".join(lines)

@@ -36,7 +36,11 @@ the old message "tensor strides exceed int32 range"; 0.2.36, 0.2.38, 0.2.39 and 
 "within-head offsets exceed int32 range" instead (0.2.29 is not on PyPI). On the H200
 (bench/gpu_kvchunks.py ``ck_probe``, bench/results/ck239_probe_h200.json and
 ck240_probe_h200.json) 0.2.39 and 0.2.40 take 320,000 tokens on either side, in every layout,
-with no error and rel. L2 0.008-0.018 vs SDPA.
+with no error and rel. L2 0.008-0.018 vs SDPA; 0.2.35 raises ``OverflowError: sage_sdpa: tensor
+strides exceed int32 range`` from 299,521 keys (the packed V, padded to 128) and from 299,594
+queries (``56*L_q*128`` > INT_MAX), in every layout, as the rule below predicts
+(bench/results/ck235_probe_h200.json; tests/unit/test_ck_envelope_measured.py holds each probe to
+the envelope).
 
 Unknown versions (< 0.2.29 has no ``int8_attention``; newer than 0.2.40 unread) get the
 0.2.29 rules (conservative: they only cost head groups, 1.0003x at 314,437 tokens on the
