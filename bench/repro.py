@@ -581,17 +581,21 @@ def driver(a):
             run["cuda_error_lines"] = _grep_count(log, ("illegal memory access", "cuda error", "device-side assert"))
             if run["outcome"] == "completed" and os.path.exists(lat):
                 cur = torch.load(lat)
-                if arm == "pytorch":
-                    refs[size] = ref_latent = cur
-                    run["rel_l2_vs_pytorch"] = 0.0
-                elif refs.get(size) is not None:
-                    ref_latent = refs[size]
-                    run["rel_l2_vs_pytorch"] = _rel_l2(torch.cat([cur["video"].flatten(), cur["audio"].flatten()]),
-                                                       torch.cat([ref_latent["video"].flatten(), ref_latent["audio"].flatten()]))
-                    run["rel_l2_video"] = _rel_l2(cur["video"], ref_latent["video"])
-                    run["rel_l2_audio"] = _rel_l2(cur["audio"], ref_latent["audio"])
                 latents[(size, arm)] = cur
                 os.remove(lat)
+                if arm == "pytorch":
+                    refs[size] = cur
+            # every completed arm of this size against the PyTorch arm, whichever ran first
+            if refs.get(size) is not None:
+                ref_latent = refs[size]
+                for r in doc["runs"] + [run]:
+                    cur = latents.get((size, r["arm"]))
+                    if r["size"] != size or cur is None or "rel_l2_vs_pytorch" in r:
+                        continue
+                    r["rel_l2_vs_pytorch"] = _rel_l2(torch.cat([cur["video"].flatten(), cur["audio"].flatten()]),
+                                                     torch.cat([ref_latent["video"].flatten(), ref_latent["audio"].flatten()]))
+                    r["rel_l2_video"] = _rel_l2(cur["video"], ref_latent["video"])
+                    r["rel_l2_audio"] = _rel_l2(cur["audio"], ref_latent["audio"])
             # each guarded arm against its own unguarded configuration (whichever ran first)
             for g, u in UNGUARDED.items():
                 for r in doc["runs"] + [run]:
