@@ -4,7 +4,6 @@ comfy-kitchen version marks as refused is the first length the real ``int8_atten
 per side and layout -- and where the wheel refused nothing, the envelope refuses nothing."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,21 +13,14 @@ REPO = Path(__file__).resolve().parents[2]
 PROBES = sorted((REPO / "bench" / "results").glob("ck*_probe_h200.json"))
 
 
-def _tables():
-    spec = importlib.util.spec_from_file_location("bench_tables", REPO / "bench" / "tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_probes_cover_both_sides_of_the_236_change():
     versions = {json.loads(p.read_text())["env"]["comfy-kitchen"] for p in PROBES}
     assert "0.2.35" in versions and {"0.2.39", "0.2.40"} <= versions, versions
 
 
 @pytest.mark.parametrize("path", PROBES, ids=[p.name for p in PROBES])
-def test_envelope_predicts_the_measured_boundary(path):
-    t = _tables()
+def test_envelope_predicts_the_measured_boundary(path, bench_tables):
+    t = bench_tables
     d = json.loads(path.read_text())
     ver = d["env"]["comfy-kitchen"]
     probes = d["sections"]["ck_probe"]["probes"]

@@ -3,7 +3,6 @@ kernel table cites is a committed result file: a number in the docs always point
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from pathlib import Path
@@ -11,21 +10,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _tables():
-    spec = importlib.util.spec_from_file_location("bench_tables", REPO / "bench" / "tables.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_benchmarks_doc_is_generated_from_the_results():
-    want = _tables().render()
+def test_benchmarks_doc_is_generated_from_the_results(bench_tables):
+    want = bench_tables.render()
     got = (REPO / "docs" / "BENCHMARKS.md").read_text()
     assert got == want, "docs/BENCHMARKS.md is stale: run `python bench/tables.py` and commit it"
 
 
-def test_every_result_section_has_its_json_and_command():
-    t = _tables()
+def test_every_result_section_has_its_json_and_command(bench_tables):
+    t = bench_tables
     for name, _ in t.SECTIONS:
         path = REPO / "bench" / "results" / name
         assert path.exists(), f"tables.py renders {name}, which is not committed"
