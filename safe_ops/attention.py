@@ -24,7 +24,8 @@ from .fences import GLOBAL_FENCES, FenceBook, StreamHop
 from .planner import Plan, choose, sdpa_plan
 from .policy import Policy
 from .probe import DEFAULT_TOLERANCE, TOLERANCE, Verifier, class_key, compare
-from .runtime import Runtime, auto_order, comfy_attention_choice, free_device_bytes, measured_tflops, runtime
+from .runtime import (Runtime, auto_order, comfy_attention_choice, free_device_bytes, measured_tflops,
+                      pricing_tflops, runtime)
 
 log = logging.getLogger("SafeSage")
 
@@ -459,7 +460,7 @@ class SafeAttention:
         envelopes = [self.kernels[f].envelope for f in cand]
         budget = self._budget(q.device)
         # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
-        tflops = (measured_tflops(self.rt.arch_name) or None) if self.policy.kernel == "auto" else None
+        tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name)
         plan = choose(call, envelopes, budget, tflops)
         shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
         report.remember_plan(shape_key, plan.describe())

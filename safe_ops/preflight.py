@@ -240,7 +240,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     import torch
 
     from .mlp import resolve_chunk
-    from .runtime import Runtime, explain_auto, measured_tflops
+    from .runtime import Runtime, explain_auto, pricing_tflops
     _register_sage2()
     v = Verdict(sc, S)
     call = h3_attention_call(S, arch=_arch_name(sc.arch))
@@ -253,7 +253,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     rt = Runtime("", None, sc.label, sc.arch, sc.sage_version, fam, None, None, None, None)
     order = v.order = _candidates(policy, rt, fam, comfy_wants_sage)
     v.choice = explain_auto(rt, [fam] if fam else [], "sage" if comfy_wants_sage else None, policy.kernel)
-    tflops = (measured_tflops(_arch_name(sc.arch)) or None) if policy.kernel == "auto" else None
+    tflops = pricing_tflops(policy.kernel, _arch_name(sc.arch))
     v.plan = choose(call, [FAMILIES[f] for f in order if f in FAMILIES], sc.budget_bytes, tflops)
     out_bytes = S * H3_HEADS * H3_HEAD_DIM * call.elt_bytes
     # the plan's own budgeted peak; where the kernel's temporaries are unknown (SDPA), its output

@@ -189,6 +189,12 @@ def kernel_table() -> dict:
 TABLE_ALIAS = {"ck_int8_pre236": "ck_int8"}
 
 
+def pricing_tflops(kernel_policy: str, arch_name: str) -> dict | None:
+    """The TFLOP/s that price plans against SDPA (``planner.choose``): only ``auto``, only on a
+    GPU the table measured. One rule for the attention override and Preflight's prediction."""
+    return (measured_tflops(arch_name) or None) if kernel_policy == "auto" else None
+
+
 def measured_tflops(arch_name: str) -> dict:
     """Measured TFLOP/s per family on ``arch_name`` (aliases filled in); {} when unmeasured."""
     tflops = dict(kernel_table().get("archs", {}).get(arch_name, {}).get("tflops", {}))
