@@ -258,10 +258,9 @@ def mlp_comfy_section(d) -> list[str]:
 def ck_probe_call(side: str, layout: str, S: int):
     """The AttnCall of one ``gpu_kvchunks.py ck_probe`` attempt (256 rows on the short side)."""
     from safe_ops.envelope import AttnCall, TensorDesc
-    H, D = 56, 128
-    strides = {"strided": (H * D, D, 3 * H * D, 1),                  # H3's fused-qkv views (h3_views)
-               "hnd": (H * S * D, S * D, D, 1), "nhd": (S * H * D, D, H * D, 1)}
-    long_ = TensorDesc((1, H, S, D), strides[layout])
+    from safe_ops.preflight import H3_HEAD_DIM as D, H3_HEADS as H, h3_attention_call
+    long_ = (h3_attention_call(S).q if layout == "strided"                 # H3's fused-qkv views
+             else TensorDesc.contiguous((1, H, S, D), layout.upper()))      # "hnd" / "nhd"
     short = TensorDesc.contiguous((1, H, 256, D), "HND")
     q, kv = (short, long_) if side == "kv" else (long_, short)
     return AttnCall(q, kv, kv, "bfloat16", "HND", False, "cuda", "sm_90", 2)

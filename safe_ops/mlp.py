@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from .fences import GLOBAL_FENCES, FenceBook
+from .preflight import H3_FFN, H3_HIDDEN
 
 log = logging.getLogger("SafeSage.mlp")
 
@@ -69,10 +70,6 @@ CHUNK_ALIGN = 256
 #: the model): the GEMMs of 6,912-token chunks run less efficiently than the whole sequence's
 #: (fp8 +2.8% to +3.4% over 38k-169k tokens); with 16,384-token chunks fp8 is +1.6% to +1.9%.
 AUTO_CHUNK_TOKENS = 16_384
-#: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out):
-#: what AUTO_CHUNK_TOKENS tokens of MiniMax H3's MLP (hidden 5376, ffn 14336, bf16) keep
-#: live, per_token_bytes(5376, 14336, 2) = 116,480 B each -> 1,820 MiB
-AUTO_BUDGET_BYTES = AUTO_CHUNK_TOKENS * ((3 * 14336 + 5376) * 2 + (14336 + 5376))
 #: never plan a budget below this, even with little free memory
 AUTO_BUDGET_FLOOR_BYTES = 256 * 1024 ** 2
 #: "auto" never uses more than this fraction of the free device memory for a chunk
@@ -126,6 +123,11 @@ def per_token_bytes(hidden: int, ffn: int, dtype_bytes: int) -> int:
     The dense path needs less (no input copies, fc2 writes straight into the output).
     """
     return (3 * ffn + hidden) * dtype_bytes + (ffn + hidden)
+
+
+#: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out):
+#: what AUTO_CHUNK_TOKENS tokens of H3's MLP keep live in bf16 (116,480 B each -> 1,820 MiB)
+AUTO_BUDGET_BYTES = AUTO_CHUNK_TOKENS * per_token_bytes(H3_HIDDEN, H3_FFN, 2)
 
 
 def plan_chunk(S: int, hidden: int, ffn: int, dtype_bytes: int, budget_bytes: int) -> int:
