@@ -24,9 +24,10 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 # An "8.9+PTX" sage build carries sm_89 SASS and compute_89 PTX (setup.py:159-161). The H200 is sm_90,
 # which cannot run sm_89 SASS, so the driver JIT-compiles each kernel's PTX on its first use (lazy module
 # loading): the first call of every kernel variant (per family, return_lse or not) is slow, on a fresh
-# machine each time. Suspected cause of two GPU-test runs cut in the sm80 kv_chunks case (session 3,
-# not confirmed). Benches time after a warm-up call; a large JIT cache keeps what was compiled across
-# the processes of one call.
+# machine each time. Measured (session 4): the sm80 kv_chunks GPU test took 54.9 s while the cache grew
+# 10 -> 41 MB and 5.3 s in the next process (bench/results/logs/gputests_sm80_jit_cold.log, _warm.log);
+# that cut two earlier GPU-test runs. Benches time after a warm-up call; a large JIT cache keeps what was
+# compiled across the processes of one call (and calls, while the machine stays warm).
 export CUDA_CACHE_MAXSIZE=${CUDA_CACHE_MAXSIZE:-4294967296}
 
 ss_base() {
