@@ -139,6 +139,29 @@ class _NvmlPeak:
                 "nvml_total_gib": round(self.total / 2 ** 30, 2)}
 
 
+def _memory_at_oom(torch, model, nv) -> dict:
+    """Who holds the device when an allocation fails: PyTorch's live tensors, the blocks its allocator
+    keeps cached (reserved - allocated; with cudaMallocAsync, the pool's reserved memory), aimdo's
+    resident weights, and what CUDA itself says is free."""
+    ev = {}
+    try:
+        st = torch.cuda.memory_stats()
+        free, total = torch.cuda.mem_get_info()
+        ev.update(torch_allocated_gib=round(st.get("allocated_bytes.all.current", 0) / 2 ** 30, 2),
+                  torch_reserved_gib=round(st.get("reserved_bytes.all.current", 0) / 2 ** 30, 2),
+                  torch_peak_allocated_gib=round(st.get("allocated_bytes.all.peak", 0) / 2 ** 30, 2),
+                  torch_peak_reserved_gib=round(st.get("reserved_bytes.all.peak", 0) / 2 ** 30, 2),
+                  cuda_free_mib=free >> 20, cuda_total_gib=round(total / 2 ** 30, 2))
+    except Exception as e:  # noqa: BLE001 - evidence only, the OOM is re-raised
+        ev["torch_error"] = repr(e)
+    try:
+        ev["weights_resident_mib"] = int(model.loaded_size()) >> 20
+    except Exception as e:  # noqa: BLE001
+        ev["weights_error"] = repr(e)
+    ev.update(nv.info())
+    return ev
+
+
 def _empty_av_latent_copy(width, height, length):
     """comfy_extras/nodes_minimax_h3.py (0dd9b154) _empty_av_latent, verbatim logic, batch 1."""
     import comfy.model_management
@@ -351,8 +374,12 @@ def worker(a):
         torch.cuda.reset_peak_memory_stats()
     res.set(phase="sampling", model_size_mib=model_mib)
     t_start = time.time()
-    samples = guider.sample(noise.generate_noise(latent), latent["samples"], sampler, sigmas,
-                            denoise_mask=None, callback=callback, disable_pbar=True, seed=noise.seed)
+    try:
+        samples = guider.sample(noise.generate_noise(latent), latent["samples"], sampler, sigmas,
+                                denoise_mask=None, callback=callback, disable_pbar=True, seed=noise.seed)
+    except torch.OutOfMemoryError:
+        res.set(memory_at_oom=_memory_at_oom(torch, model, nv), resident_mib_per_block=resident[:400])
+        raise
     if cuda:
         torch.cuda.synchronize()
     t_end = time.time()
@@ -724,6 +751,10 @@ def table(doc, docs=()) -> str:
         out = r.get("outcome", "")
         if r.get("error"):
             out += ": `" + r["error"].strip()[:120].replace("|", "\\|") + "`"
+            oom = w.get("memory_at_oom") or {}
+            if "cuda_free_mib" in oom:
+                out += (f"; then: CUDA free {oom['cuda_free_mib']:,} MiB, torch allocated {oom['torch_allocated_gib']} / "
+                        f"reserved {oom['torch_reserved_gib']} GiB, weights resident {oom.get('weights_resident_mib', '?')} MiB")
         elif out.startswith(("process abort", "timeout")):
             what = [ln.split("what():", 1)[1].strip() for ln in r.get("key_lines", []) if "what():" in ln]
             if what:

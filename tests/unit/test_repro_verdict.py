@@ -65,3 +65,43 @@ def test_latent_store_keeps_arms_of_the_same_setup_and_empties_for_another(tmp_p
     ckpt.write_bytes(b"y" * 11)
     (tmp_path / "lat" / "169k_pytorch.pt").write_bytes(b"0")
     assert repro._latent_store(_store_args(tmp_path, ckpt, seed=1), {}) == {}
+
+
+class _FakeCuda:
+    @staticmethod
+    def memory_stats():
+        return {"allocated_bytes.all.current": 14.81 * 2 ** 30, "reserved_bytes.all.current": 26 * 2 ** 30,
+                "allocated_bytes.all.peak": 22 * 2 ** 30, "reserved_bytes.all.peak": 26.5 * 2 ** 30}
+
+    @staticmethod
+    def mem_get_info():
+        return 25 << 20, 140 << 30
+
+
+class _FakeModel:
+    def __init__(self, resident=None):
+        self.resident = resident
+
+    def loaded_size(self):
+        if self.resident is None:
+            raise RuntimeError("no VBAR")
+        return self.resident << 20
+
+
+class _FakeNv:
+    def info(self):
+        return {"nvml_peak_process_gib": 27.4}
+
+
+def test_oom_evidence_separates_live_tensors_pool_and_weights():
+    ev = repro._memory_at_oom(argparse.Namespace(cuda=_FakeCuda), _FakeModel(1377), _FakeNv())
+    assert (ev["torch_allocated_gib"], ev["torch_reserved_gib"], ev["cuda_free_mib"]) == (14.81, 26.0, 25)
+    assert ev["weights_resident_mib"] == 1377 and ev["nvml_peak_process_gib"] == 27.4
+    # evidence only: a failing probe is recorded, never raised over the OOM it describes
+    ev = repro._memory_at_oom(argparse.Namespace(cuda=None), _FakeModel(None), _FakeNv())
+    assert "torch_error" in ev and "weights_error" in ev
+    row = _doc([("169k", "sage", None)])
+    row["runs"][0].update(outcome="Python error, exit 1 (phase: sampling)", error="torch.OutOfMemoryError: x",
+                          worker={"memory_at_oom": repro._memory_at_oom(argparse.Namespace(cuda=_FakeCuda),
+                                                                        _FakeModel(1377), _FakeNv())})
+    assert "CUDA free 25 MiB, torch allocated 14.81 / reserved 26.0 GiB, weights resident 1377 MiB" in repro.table(row)
