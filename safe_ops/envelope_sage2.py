@@ -82,10 +82,10 @@ envelopes list the native dims (64, 128) only and a caller wanting d=96 should p
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
-from .envelope import (I32_MAX, LIMITS, U32_MAX, AttnCall, Envelope, IndexTerm, TensorDesc,
+from .envelope import (I32_MAX, LIMITS, AttnCall, Envelope, IndexTerm, TensorDesc,
                        Violation, check, register)
 
 TAG = "v2.2.0"
@@ -112,6 +112,9 @@ SM90 = "csrc/qattn/qk_int_sv_f8_cuda_sm90.cu"
 #: (sage2_fp8pv_perwarp, 169,000 H3 tokens, H200; bench/results/kv_anatomy_h200.json). Measured
 #: on the sm89 FP8 kernel; assumed for the other sage 2 kernels until they are measured.
 LSE_TIME_FACTOR = 1.048
+#: what every sage 2 kernel shares for kv_chunks: ``return_lse`` and ``smooth_k`` (core.py, see the
+#: LSE note) and the LSE variant's time
+SAGE2_LSE = dict(returns_lse=True, lse_centred_k=True, lse_time_factor=LSE_TIME_FACTOR)
 FP8_SM120_MAX_KV_LEN = 150_000     # exclusive: kv_len must be < this (SageAttention #388)
 
 
@@ -428,8 +431,7 @@ def _sm80_temp_bytes(call: AttnCall) -> int:
 _t, _d = _per_thread_triton()
 SAGE2_SM80 = register(Envelope(
     family="sage2_sm80",
-    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
-    lse_time_factor=LSE_TIME_FACTOR,
+    **SAGE2_LSE,
     source=SOURCE,
     head_dims=(64, 128),                   # dispatch_utils.h:23-34 (core.py:560-570 pads others)
     dtypes=("float16", "bfloat16"),        # core.py:541
@@ -460,8 +462,7 @@ def _sm86_temp_bytes(call: AttnCall) -> int:
 _t, _d = _per_block_triton()
 SAGE2_SM86_TRITON = register(Envelope(
     family="sage2_sm86_triton",
-    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
-    lse_time_factor=LSE_TIME_FACTOR,
+    **SAGE2_LSE,
     source=SOURCE,
     head_dims=(64, 128),                   # tl.arange(0, C) needs a power of two; core.py:260-269 pads
     dtypes=("float16", "bfloat16"),        # core.py:242
@@ -503,8 +504,7 @@ _FP8_ATTN_V = _dterms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:
 _t, _d = _per_thread_triton()
 SAGE2_SM89_FP8PV = register(Envelope(
     family="sage2_sm89_fp8pv",
-    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
-    lse_time_factor=LSE_TIME_FACTOR,
+    **SAGE2_LSE,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:725
@@ -521,8 +521,7 @@ SAGE2_SM89_FP8PV = register(Envelope(
 _FP8_PERWARP_RULES = _v_fp8_dterms("v", "v_t") + _FP8_ATTN_V
 SAGE2_FP8PV_PERWARP = register(Envelope(
     family="sage2_fp8pv_perwarp",
-    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
-    lse_time_factor=LSE_TIME_FACTOR,
+    **SAGE2_LSE,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -538,8 +537,7 @@ SAGE2_FP8PV_PERWARP = register(Envelope(
 
 SAGE2_SM120_FP8PV = register(Envelope(
     family="sage2_sm120_fp8pv",
-    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
-    lse_time_factor=LSE_TIME_FACTOR,
+    **SAGE2_LSE,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
@@ -575,8 +573,7 @@ _SM90_INT_STRIDES = IntStrideRule(
 )
 SAGE2_SM90 = register(Envelope(
     family="sage2_sm90",
-    returns_lse=True, lse_centred_k=True,   # return_lse / smooth_k: core.py, see LSE note
-    lse_time_factor=LSE_TIME_FACTOR,
+    **SAGE2_LSE,
     source=SOURCE,
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:912
