@@ -291,10 +291,6 @@ def sec_kvchunks(args) -> dict:
 
 
 # ---------------------------------------------------------------------- anatomy
-def _profile_table(fn, top: int = 14) -> list[dict]:
-    return profile_table(fn, top)[1]
-
-
 def sec_anatomy(args) -> dict:
     """Where kv_chunks' extra time goes, at one size: the raw kernel on contiguous NHD inputs
     (whole keys, with and without ``return_lse``; the keys split in the plan's chunks, with and
@@ -370,9 +366,9 @@ def sec_anatomy(args) -> dict:
     res["merge_only_ms"] = time_ms({"m": merge_only}, args.anatomy_reps)["m"]
     del outs
     print(json.dumps(res)[:1500], flush=True)
-    res["profile_pack_kv"] = _profile_table(f_kv)
-    res["profile_whole"] = _profile_table(fns["whole"])
-    res["profile_split_lse"] = _profile_table(fns["split_lse"])
+    res["profile_pack_kv"] = profile_table(f_kv)[1]
+    res["profile_whole"] = profile_table(fns["whole"])[1]
+    res["profile_split_lse"] = profile_table(fns["split_lse"])[1]
     for k_ in ("profile_pack_kv", "profile_whole", "profile_split_lse"):
         print(k_, json.dumps(res[k_])[:1500], flush=True)
     return res
@@ -514,24 +510,14 @@ def update_table(result_path: str, table_path: str, only: list[str] | None = Non
     fam = res.get("sections", {}).get("families", {})
     if not fam.get("kernel_table_tflops"):
         raise SystemExit(f"{result_path}: no measured families section (error: {fam.get('error') or fam.get('stderr_tail')})")
-    arch = res["env"]["arch"]
-    with open(table_path) as f:
-        table = json.load(f)
-    entry = table.setdefault("archs", {}).setdefault(arch, {})
     new = {k: v for k, v in fam["kernel_table_tflops"].items() if only is None or k in only}
     if not new:
         raise SystemExit(f"{result_path}: none of {only} measured right in this run")
-    tflops = dict(entry.get("tflops", {}))
-    tflops.update(new)
-    sources = [x for x in str(entry.get("source", "")).split(" | ") if x]
+    from tables import merge_into_table
     rel = os.path.relpath(os.path.abspath(result_path), ROOT)
-    sources.append(f"{rel} (families: {', '.join(sorted(new))}): {res['env']['command']}")
-    entry.update(gpu=res["env"]["gpu"], tflops={k: tflops[k] for k in sorted(tflops)},
-                 sizes=sorted(set(entry.get("sizes", [])) | set(fam["sizes"])), source=" | ".join(sources))
-    with open(table_path, "w") as f:
-        json.dump(table, f, indent=2)
-        f.write("\n")
-    return entry
+    return merge_into_table(res["env"]["arch"], res["env"]["gpu"], new, fam["sizes"],
+                            f"{rel} (families: {', '.join(sorted(new))}): {res['env']['command']}",
+                            table_path=table_path)
 
 
 SECTIONS = {"families": sec_families, "kvchunks": sec_kvchunks, "ck_probe": sec_ck_probe, "guard": sec_guard,

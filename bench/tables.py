@@ -340,25 +340,35 @@ TABLE_PATH = os.path.join(ROOT, "safe_ops", "kernel_table.json")
 DOC_PATH = os.path.join(ROOT, "docs", "BENCHMARKS.md")
 
 
+def merge_into_table(arch: str, gpu: str, tflops: dict, sizes, source: str, about: str | None = None,
+                     table_path: str = TABLE_PATH) -> dict:
+    """Merge measured TFLOP/s of some families into safe_ops/kernel_table.json under ``arch``: those
+    families' numbers are replaced, the others kept; sizes are united and ``source`` (the result
+    file and its command) is appended once. Returns the arch's entry."""
+    with open(table_path) as f:
+        cur = json.load(f)
+    entry = cur.setdefault("archs", {}).setdefault(arch, {})
+    entry["gpu"] = gpu
+    entry["tflops"] = dict(sorted({**entry.get("tflops", {}), **tflops}.items()))
+    entry["sizes"] = sorted(set(entry.get("sizes", [])) | set(sizes))
+    sources = [x for x in str(entry.get("source", "")).split(" | ") if x]
+    entry["source"] = " | ".join(sources + ([source] if source not in sources else []))
+    if about is not None:
+        cur["about"] = about
+    with open(table_path, "w") as f:
+        json.dump(cur, f, indent=2)
+        f.write("\n")
+    return entry
+
+
 def merge_attention_into_table() -> None:
     """Merge attention_h200.json's numbers into safe_ops/kernel_table.json (other rows stay)."""
     att = _load("attention_h200.json")
     if att is None:
         return
     t = kernel_table(att)
-    with open(TABLE_PATH) as f:
-        cur = json.load(f)
     for arch, e in t["archs"].items():
-        entry = cur.setdefault("archs", {}).setdefault(arch, {})
-        entry["gpu"] = e["gpu"]
-        entry["tflops"] = dict(sorted({**entry.get("tflops", {}), **e["tflops"]}.items()))
-        entry["sizes"] = sorted(set(entry.get("sizes", [])) | set(e["sizes"]))
-        if e["source"] not in entry.get("source", ""):
-            entry["source"] = " | ".join(x for x in (entry.get("source"), e["source"]) if x)
-    cur["about"] = t["about"]
-    with open(TABLE_PATH, "w") as f:
-        json.dump(cur, f, indent=2)
-        f.write("\n")
+        merge_into_table(arch, e["gpu"], e["tflops"], e["sizes"], e["source"], t["about"])
 
 
 def render() -> str:
