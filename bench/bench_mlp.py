@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from safe_ops import mlp
+from safe_ops import mlp, mlp_plan
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -186,7 +186,7 @@ def main(argv=None):
     ap.add_argument("--ffn", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--budget-mib", type=float, default=mlp.AUTO_BUDGET_BYTES / 2 ** 20,
+    ap.add_argument("--budget-mib", type=float, default=mlp_plan.AUTO_BUDGET_BYTES / 2 ** 20,
                     help="memory budget the 'auto' chunk is planned for (safe_ops.mlp default)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -197,8 +197,8 @@ def main(argv=None):
         seqs = [int(s) for s in (a.seqs or "0,1,333,1000").split(",")]
         chunks = (a.chunks or "auto,100,256").split(",")
         warmup, reps = a.warmup if a.warmup is not None else 1, a.reps or 2
-        budget = int(a.budget_mib * 2 ** 20) if a.budget_mib != mlp.AUTO_BUDGET_BYTES / 2 ** 20 \
-            else mlp.per_token_bytes(hidden, ffn, 2) * 300
+        budget = int(a.budget_mib * 2 ** 20) if a.budget_mib != mlp_plan.AUTO_BUDGET_BYTES / 2 ** 20 \
+            else mlp_plan.per_token_bytes(hidden, ffn, 2) * 300
     else:
         hidden, ffn = a.hidden or 5376, a.ffn or 14336
         seqs = [int(s) for s in (a.seqs or "38000,99866,169000").split(",")]
@@ -222,7 +222,7 @@ def main(argv=None):
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "shape": {"hidden": hidden, "ffn": ffn, "fc1": [2 * ffn, hidden], "fc2": [hidden, ffn],
                   "weights": "float8_e4m3fn, per-tensor fp32 scale", "activations": "bfloat16"},
-        "auto_budget_bytes": budget, "per_token_bytes": mlp.per_token_bytes(hidden, ffn, 2),
+        "auto_budget_bytes": budget, "per_token_bytes": mlp_plan.per_token_bytes(hidden, ffn, 2),
         "warmup": warmup, "reps": reps, "scaled_mm_available": sm_ok, "scaled_mm_error": sm_err,
         "notes": ("peak_bytes = torch.cuda.max_memory_allocated during one MLP call after "
                   "reset_peak_memory_stats; working_bytes = peak minus the bytes allocated before "
@@ -271,7 +271,7 @@ def _bench_one(result, timer, mode, unpatched_fn, chunked_fn, S, W, hidden, ffn,
     print(f"[{mode}] S={S:>7} unpatched     peak={_gib(peak_u)} work={_gib(row['working_bytes'])} "
           f"t={row['time_ms_median']:.2f} ms", flush=True)
     for setting in chunks:
-        c = mlp.plan_chunk(S, hidden, ffn, 2, budget) if setting == "auto" else min(int(setting), max(S, 1))
+        c = mlp_plan.plan_chunk(S, hidden, ffn, 2, budget) if setting == "auto" else min(int(setting), max(S, 1))
         c = max(c, 1)
         y, peak_c, base_c = peak_of(lambda: chunked_fn(x, W, c), device)
         eq = compare(y, ref.to(y.device))

@@ -105,7 +105,7 @@ def bench_runtime():
 
 def sage_kern():
     from safe_ops import envelope_sage2  # noqa: F401  (registers the sage 2.x families)
-    from safe_ops.attention import sage_kernel
+    from safe_ops.kernels import sage_kernel
     k = sage_kernel(bench_runtime())
     if k is None:
         raise SystemExit(f"no usable sage kernel for family {FAMILY or bench_runtime().sage_family}")
@@ -300,7 +300,7 @@ def bench(args) -> dict:
         if plan.repack:
             import dataclasses
 
-            from safe_ops.attention import normalise
+            from safe_ops.comfy_call import normalise
             from safe_ops.envelope import check
             from safe_ops.planner import _sub_call
             alt = dataclasses.replace(plan, layout="HND" if plan.layout == "NHD" else "NHD")
@@ -308,7 +308,7 @@ def bench(args) -> dict:
             if not check(_sub_call(call, plan.head_group or HEADS, plan.q_chunk or S, alt.repack, alt.layout),
                          att.kernels[plan.kernel].envelope):
                 nn = normalise((q, k, v, HEADS), {"skip_reshape": True, "skip_output_reshape": True})
-                alt_ms = _time_ms(lambda: att.run_plan(alt, nn), reps)
+                alt_ms = _time_ms(lambda: att.executor.run(alt, nn), reps)
         row = {"S": S, "plan": next(iter(report.PLANS.values()), ""),
                "other_layout_repack_ms": alt_ms,
                "guarded_ms": min(tg), "inlimit_kernel_ms": min(tk), "sdpa_ms": min(ts),
@@ -333,7 +333,8 @@ def host_overhead(S: int, n: int = 400) -> dict:
     preallocated tensor, minus calling that kernel directly).
     """
     from safe_ops import report
-    from safe_ops.attention import Kernel, SafeAttention
+    from safe_ops.kernels import Kernel
+    from safe_ops.attention import SafeAttention
     from safe_ops.envelope import SAGE1_TRITON
     from safe_ops.policy import Policy
     q, k, v = h3_qkv(S, "strided")
@@ -369,7 +370,8 @@ def host_overhead(S: int, n: int = 400) -> dict:
 # -------------------------------------------------------------------------- probe
 def probe(args) -> dict:
     from safe_ops import report
-    from safe_ops.attention import Kernel, SafeAttention
+    from safe_ops.kernels import Kernel
+    from safe_ops.attention import SafeAttention
     from safe_ops.policy import Policy
     out = {"env": env_info(), "sizes": []}
     rt = bench_runtime()

@@ -99,14 +99,14 @@ def flops(S: int) -> float:
 
 def kernels() -> dict:
     """Every family that can run here: name -> safe_ops Kernel (errors recorded by the caller)."""
-    from safe_ops.attention import sage2_kernel
+    from safe_ops.kernels import sage2_kernel
     out = {}
     for fam in SAGE2_FAMILIES:
         k = sage2_kernel(fam)
         if k is not None:
             out[fam] = k
     try:
-        from safe_ops.attention import ck_kernel
+        from safe_ops.kernels import ck_kernel
         ck = ck_kernel()
         if ck is not None:
             out[ck.family] = ck
@@ -204,7 +204,7 @@ def with_kv_rule(kern, limit: int):
     """``kern`` with sm_120's key-length rule added (what makes the planner chunk keys)."""
     import dataclasses
 
-    from safe_ops.attention import Kernel
+    from safe_ops.kernels import Kernel
     from safe_ops.envelope_sage2 import KvLenRule
     env = kern.envelope
     env = dataclasses.replace(env, family=env.family,
@@ -297,7 +297,7 @@ def sec_anatomy(args) -> dict:
     without ``return_lse``; the split plus the pack's own merge), the pack's kv_chunks call and
     its unchunked plan, and a per-kernel profile of the pack's call and of the whole-key call."""
     from safe_ops import report
-    from safe_ops.attention import lse_merge
+    from safe_ops.executor import lse_merge
     fam = args.kv_families[0]
     ks = kernels()
     if fam not in ks:
@@ -457,7 +457,7 @@ def sec_guard(args) -> dict:
     kernel on in-limit inputs made beforehand (contiguous copies in the plan's layout), at the
     first length past the strided limit; interleaved, median of ``--guard-reps``."""
     from safe_ops import report
-    from safe_ops.attention import sage_kernel
+    from safe_ops.kernels import sage_kernel
     from safe_ops.runtime import runtime
     rt = runtime()
     rows = []

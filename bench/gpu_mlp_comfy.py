@@ -119,7 +119,7 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("gpu_mlp_comfy: needs a CUDA GPU")
     import comfy.model_management  # noqa: F401  (GPU init as ComfyUI does)
-    from safe_ops import mlp
+    from safe_ops import mlp, mlp_plan
     import importlib.metadata as md
     res = {"bench": "h3_mlp_comfy_ops", "command": "python3 " + " ".join(sys.argv),
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -127,7 +127,7 @@ def main():
            "comfy_kitchen": next((md.version(p) for p in ("comfy-kitchen", "comfy_kitchen")
                                   if _has(md, p)), None),
            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "auto_budget_bytes": mlp.auto_budget_bytes(torch.device(DEV)), "runs": [], "errors": {}}
+           "auto_budget_bytes": mlp_plan.auto_budget_bytes(torch.device(DEV)), "runs": [], "errors": {}}
     sizes = [int(s) for s in a.sizes.split(",")]
     chunks = [c for c in a.chunks.split(",") if c]
     for mode in a.modes.split(","):
@@ -145,7 +145,7 @@ def main():
                     stats = mlp.MlpStats()
                     fns = {"unpatched": lambda: type(m).forward(m, x)}
                     for c in chunks:
-                        fns[f"chunked:{c}"] = (lambda c=c: mlp.h3_mlp_forward(m, x, mlp.parse_chunk_setting(c),
+                        fns[f"chunked:{c}"] = (lambda c=c: mlp.h3_mlp_forward(m, x, mlp_plan.parse_chunk_setting(c),
                                                                               stats=stats))
                     ref = fns["unpatched"]()
                     rows = {}
@@ -166,8 +166,8 @@ def main():
                         r["time_ms_queued"] = tq[name]
                         r["ratio_vs_unpatched_queued"] = tq[name] / tq["unpatched"]
                         if name != "unpatched":
-                            c = mlp.parse_chunk_setting(name.split(":", 1)[1])
-                            r["chunk_tokens"] = mlp.resolve_chunk(c, S, HIDDEN, FFN, x.dtype, x.device, None)
+                            c = mlp_plan.parse_chunk_setting(name.split(":", 1)[1])
+                            r["chunk_tokens"] = mlp_plan.resolve_chunk(c, S, HIDDEN, FFN, x.dtype, x.device, None)
                         res["runs"].append(r)
                         print(json.dumps(r), flush=True)
                     res.setdefault("mlp_stats", {})[f"{mode}:{S}"] = st

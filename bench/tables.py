@@ -258,7 +258,7 @@ def mlp_comfy_section(d) -> list[str]:
 def ck_probe_call(side: str, layout: str, S: int):
     """The AttnCall of one ``gpu_kvchunks.py ck_probe`` attempt (256 rows on the short side)."""
     from safe_ops.envelope import AttnCall, TensorDesc
-    from safe_ops.preflight import H3_HEAD_DIM as D, H3_HEADS as H, h3_attention_call
+    from safe_ops.h3 import H3_HEAD_DIM as D, H3_HEADS as H, h3_attention_call
     long_ = (h3_attention_call(S).q if layout == "strided"                 # H3's fused-qkv views
              else TensorDesc.contiguous((1, H, S, D), layout.upper()))      # "hnd" / "nhd"
     short = TensorDesc.contiguous((1, H, 256, D), "HND")

@@ -40,11 +40,13 @@ except ImportError:  # pragma: no cover - a fresh machine without torch
     raise
 
 from . import report
-from .attention import Kernel, SafeAttention, sage_kernel
+from .attention import SafeAttention
+from .kernels import Kernel, sage_kernel
 from .envelope import SAGE1_TRITON, AttnCall, TensorDesc, check
 from .mlp import chunked_swiglu, reference_swiglu
 from .policy import Policy
-from .preflight import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, h3_tokens, preflight
+from .h3 import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, h3_tokens
+from .preflight import preflight
 from .runtime import runtime
 
 

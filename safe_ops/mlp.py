@@ -9,9 +9,10 @@ i.e. ``fc1`` over all S tokens (``[S, 2*ffn]``, 9.0 GiB at S = 169k), ``silu(gat
 independent, so the same numbers come out of a loop over token chunks that writes each
 chunk's ``fc2`` result into a preallocated ``[S, hidden]`` output.
 
-This module has three layers:
+This module has two layers (the chunk size is planned in mlp_plan.py, the forward installed on
+a ModelPatcher by mlp_patch.py):
 
-* pure torch, no ComfyUI: :func:`plan_chunk`, :func:`chunked_swiglu`,
+* pure torch, no ComfyUI: :func:`chunked_swiglu`,
   :func:`dequantize_fp8`, and the generic chunk loop :func:`run_chunked_mlp` driven by
   *leases* (a weight obtained once, applied to many chunks, then released);
 * the ComfyUI-facing part (``comfy`` imported lazily inside functions, guarded with
@@ -19,9 +20,7 @@ This module has three layers:
   ``linear_input_act``): :func:`comfy_linear_lease` obtains a Linear's weight ONCE per MLP
   call through ``comfy.ops.cast_bias_weight(..., offloadable=True)`` -- whatever the loading
   mode -- and gives it back through ``comfy.ops.uncast_bias_weight``;
-  :func:`h3_mlp_forward` is the replacement forward;
-* :func:`install_h3_mlp_patches` puts that forward on every H3 ``MLP`` of a ModelPatcher
-  with ``add_object_patch`` -- only where ``MLP.forward`` is exactly that one line.
+  :func:`h3_mlp_forward` is the replacement forward.
 
 ``linear_input_act`` cannot simply be called per chunk: it casts fc2 (``cast_bias_weight``)
 on every call, i.e. once per chunk.  Its branches are therefore reproduced on a weight cast
@@ -55,25 +54,9 @@ import torch
 import torch.nn.functional as F
 
 from .fences import GLOBAL_FENCES, FenceBook
-from .preflight import H3_FFN, H3_HIDDEN
+from .mlp_plan import resolve_chunk
 
 log = logging.getLogger("SafeSage.mlp")
-
-H3_MODEL_MODULE = "comfy.ldm.minimax.model"
-H3_MODEL_CLASS = "MiniMaxH3Model"
-H3_MLP_CLASS = "MLP"
-
-#: token counts the planner rounds to
-CHUNK_ALIGN = 256
-#: "auto" aims at this many tokens per chunk. Measured on an H200 through ComfyUI 0dd9b154's
-#: own ops (bench/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json, GPU busy as inside
-#: the model): the GEMMs of 6,912-token chunks run less efficiently than the whole sequence's
-#: (fp8 +2.8% to +3.4% over 38k-169k tokens); with 16,384-token chunks fp8 is +1.6% to +1.9%.
-AUTO_CHUNK_TOKENS = 16_384
-#: never plan a budget below this, even with little free memory
-AUTO_BUDGET_FLOOR_BYTES = 256 * 1024 ** 2
-#: "auto" never uses more than this fraction of the free device memory for a chunk
-AUTO_FREE_FRACTION = 0.25
 
 
 # ---------------------------------------------------------------------------------------
@@ -107,89 +90,6 @@ class MlpStats:
 
 MLP_STATS = MlpStats()
 _STATS_LOCK = threading.Lock()
-
-
-# ---------------------------------------------------------------------------------------
-# planning
-# ---------------------------------------------------------------------------------------
-def per_token_bytes(hidden: int, ffn: int, dtype_bytes: int) -> int:
-    """Bytes one token of a chunk keeps live in the chunk loop (upper bound).
-
-    In the compute dtype: fc1 output ``2*ffn`` (gate|up), SwiGLU's output ``ffn`` (a new
-    contiguous tensor on the quantised paths; the dense path writes it in place into the
-    gate half) and fc2's per-chunk output ``hidden`` before it is copied into the
-    preallocated result; plus the
-    1-byte fp8 input copies of a quantised path (``hidden`` for fc1, ``ffn`` for fc2).
-    The dense path needs less (no input copies, fc2 writes straight into the output).
-    """
-    return (3 * ffn + hidden) * dtype_bytes + (ffn + hidden)
-
-
-#: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out):
-#: what AUTO_CHUNK_TOKENS tokens of H3's MLP keep live in bf16 (116,480 B each -> 1,820 MiB)
-AUTO_BUDGET_BYTES = AUTO_CHUNK_TOKENS * per_token_bytes(H3_HIDDEN, H3_FFN, 2)
-
-
-def plan_chunk(S: int, hidden: int, ffn: int, dtype_bytes: int, budget_bytes: int) -> int:
-    """Tokens per chunk so one chunk's intermediates fit ``budget_bytes``.
-
-    Returns ``S`` when everything fits (no chunking; ``S = 0`` returns 0), otherwise the
-    largest multiple of 256 that fits, or -- when even 256 tokens do not fit -- the largest
-    token count that does, never less than 1.
-    """
-    S = int(S)
-    if S <= 0:
-        return 0
-    per_tok = per_token_bytes(int(hidden), int(ffn), int(dtype_bytes))
-    if per_tok <= 0:
-        return S
-    fit = int(budget_bytes) // per_tok
-    if fit >= S:
-        return S
-    if fit >= CHUNK_ALIGN:
-        return (fit // CHUNK_ALIGN) * CHUNK_ALIGN
-    return max(1, fit)
-
-
-def parse_chunk_setting(chunk_setting: Any) -> Any:
-    """``"auto"`` | ``"off"`` | positive int (also as a digit string) -> normalised value."""
-    if chunk_setting is None:
-        return "auto"
-    if isinstance(chunk_setting, bool):
-        raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
-    if isinstance(chunk_setting, int):
-        if chunk_setting < 1:
-            raise ValueError(f"SafeSage: MLP chunk tokens must be >= 1, got {chunk_setting}")
-        return chunk_setting
-    s = str(chunk_setting).strip().lower()
-    if s in ("auto", "off"):
-        return s
-    if s.isdigit() and int(s) >= 1:
-        return int(s)
-    raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
-
-
-def auto_budget_bytes(device: torch.device) -> int:
-    budget = AUTO_BUDGET_BYTES
-    from .runtime import free_device_bytes
-    free = free_device_bytes(device)
-    if free is not None:
-        budget = min(budget, int(free * AUTO_FREE_FRACTION))
-    return max(budget, AUTO_BUDGET_FLOOR_BYTES)
-
-
-def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
-                  device: torch.device, budget_bytes: int | None = None) -> int:
-    """Chunk tokens for this call; ``>= S`` means "do not chunk"."""
-    setting = parse_chunk_setting(chunk_setting)
-    if setting == "off" or S <= 0:
-        return max(S, 0)
-    if setting == "auto":
-        if budget_bytes is None:
-            budget_bytes = auto_budget_bytes(device)
-        dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        return plan_chunk(S, hidden, ffn, dtype_bytes, budget_bytes)
-    return min(int(setting), S)
 
 
 # ---------------------------------------------------------------------------------------
@@ -824,144 +724,3 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
 # ---------------------------------------------------------------------------------------
 # installation on a ModelPatcher
 # ---------------------------------------------------------------------------------------
-class H3ChunkedMLPForward:
-    """Bound replacement for one MLP's ``forward`` (object-patched by key)."""
-
-    _safesage_mlp = True
-
-    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any,
-                 fences: FenceBook | None, stats: MlpStats = MLP_STATS):
-        self.module = module
-        self.path = path
-        self.chunk_setting = parse_chunk_setting(chunk_setting)
-        self.fences = fences
-        self.stats = stats
-
-    def __call__(self, x, *args, **kwargs):
-        if args or kwargs:   # not the H3 signature: never guess
-            self.stats.fallback("unexpected MLP.forward arguments")
-            return type(self.module).forward(self.module, x, *args, **kwargs)
-        return h3_mlp_forward(self.module, x, self.chunk_setting, self.fences, self.stats)
-
-    def __repr__(self):
-        return f"H3ChunkedMLPForward({self.path}, chunk={self.chunk_setting!r})"
-
-
-# The one-line MLP.forward that h3_mlp_forward reproduces (0dd9b154's comfy/ldm/minimax/model.py),
-# compiled by this Python, so it compares like for like. Never called (``comfy`` is deliberately
-# not imported here); no docstring, because a docstring would be part of its co_consts.
-def _mirrored_forward(self, x):  # pragma: no cover
-    return comfy.ops.linear_input_act(self.fc2, self.fc1(x), 'swiglu')  # noqa: F821
-
-
-_MIRRORED_FORWARD = _mirrored_forward.__code__
-
-
-def _forward_is_mirrored(cls: type) -> bool:
-    """True when ``cls.forward`` compiles to exactly that form (a later ComfyUI that adds a
-    residual, a norm, another activation or a docstring is not patched)."""
-    code = getattr(getattr(cls, "forward", None), "__code__", None)
-    ref = _MIRRORED_FORWARD
-    return (code is not None and code.co_code == ref.co_code and code.co_names == ref.co_names
-            and code.co_varnames == ref.co_varnames and code.co_consts == ref.co_consts)
-
-
-def _is_h3_mlp(m: Any) -> bool:
-    t = type(m)
-    return t.__name__ == H3_MLP_CLASS and t.__module__ == H3_MODEL_MODULE
-
-
-def find_h3_mlps(diffusion_model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(path, module) of every MiniMax H3 ``MLP`` (blocks and token-refiner blocks)."""
-    return [(name, m) for name, m in diffusion_model.named_modules() if _is_h3_mlp(m)]
-
-
-def is_h3_model(diffusion_model: Any) -> bool:
-    t = type(diffusion_model)
-    return t.__name__ == H3_MODEL_CLASS and t.__module__ == H3_MODEL_MODULE
-
-
-def _own_bound_forward(fn: Any, module: Any) -> bool:
-    """ModelPatcher.unpatch_model restores a patched attribute by setting the backed-up value,
-    which for ``forward`` is the module's own bound method: not a foreign patch."""
-    return getattr(fn, "__self__", None) is module and \
-        getattr(fn, "__func__", None) is getattr(type(module), "forward", None)
-
-
-def _diffusion_model(model_patcher) -> Any:
-    model = getattr(model_patcher, "model", None)
-    return getattr(model, "diffusion_model", None)
-
-
-def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
-                           fences: FenceBook | None = GLOBAL_FENCES) -> dict:
-    """Object-patch every H3 MLP forward of ``model_patcher`` with the chunked forward.
-
-    Returns ``{"patched": n, "skipped": reason or None, "conflicts": [...]}``.
-    Idempotent: our own patch on a key is replaced (new setting), never wrapped.  A
-    foreign object patch on a key is left in place and listed in ``conflicts``.
-    ``chunk_setting == "off"`` removes this module's patches (patched 0).
-    """
-    result = {"patched": 0, "skipped": None, "conflicts": [], "removed": 0}
-    setting = parse_chunk_setting(chunk_setting)
-    dm = _diffusion_model(model_patcher)
-    if dm is None:
-        result["skipped"] = "model patcher has no diffusion_model"
-        return result
-    mlps = find_h3_mlps(dm)
-    if not mlps:
-        t = type(dm)
-        result["skipped"] = (f"not a MiniMax H3 model ({t.__module__}.{t.__qualname__})"
-                             if not is_h3_model(dm) else "MiniMax H3 model without MLP modules")
-        return result
-    add = getattr(model_patcher, "add_object_patch", None)
-    patches = getattr(model_patcher, "object_patches", None)
-    if add is None or patches is None:
-        result["skipped"] = "model patcher has no add_object_patch"
-        return result
-
-    # another pack replaced MLP.forward on the class: ours would silently bypass it
-    cls_fwd = getattr(type(mlps[0][1]), "forward", None)
-    if setting != "off" and (getattr(cls_fwd, "__module__", None) != H3_MODEL_MODULE
-                             or getattr(cls_fwd, "__qualname__", None) != f"{H3_MLP_CLASS}.forward"):
-        result["conflicts"].append({"key": f"{H3_MODEL_MODULE}.{H3_MLP_CLASS}.forward", "kind": "class_forward",
-                                    "existing": repr(cls_fwd)[:200]})
-        result["skipped"] = "MLP.forward replaced on the class by another pack"
-        return result
-    if setting != "off" and not _forward_is_mirrored(type(mlps[0][1])):
-        result["skipped"] = ("this ComfyUI's MiniMax H3 MLP.forward is not the "
-                             "linear_input_act(fc2, fc1(x), 'swiglu') form SafeSage reproduces")
-        log.warning("SafeSage MLP: H3 MLPs not patched: %s", result["skipped"])
-        return result
-
-    for path, module in mlps:
-        key = f"diffusion_model.{path}.forward"
-        existing = patches.get(key)
-        ours = existing is not None and getattr(existing, "_safesage_mlp", False)
-        if setting == "off":
-            if ours:
-                del patches[key]
-                result["removed"] += 1
-            continue
-        if existing is not None and not ours:
-            result["conflicts"].append({"key": key, "kind": "object_patch",
-                                        "existing": repr(existing)[:200]})
-            continue
-        inst = module.__dict__.get("forward")
-        if inst is not None and not getattr(inst, "_safesage_mlp", False) and not _own_bound_forward(inst, module):
-            result["conflicts"].append({"key": key, "kind": "instance_forward",
-                                        "existing": repr(inst)[:200]})
-            continue
-        add(key, H3ChunkedMLPForward(module, path, setting, fences))
-        result["patched"] += 1
-
-    if setting == "off":
-        result["skipped"] = "MLP chunking off"
-    # postcondition: read back what we set
-    for path, _m in mlps:
-        key = f"diffusion_model.{path}.forward"
-        got = patches.get(key)
-        if setting != "off" and not any(c["key"] == key for c in result["conflicts"]):
-            if not getattr(got, "_safesage_mlp", False):
-                raise RuntimeError(f"SafeSage: object patch {key} did not take")
-    return result

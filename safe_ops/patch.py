@@ -14,7 +14,7 @@ from typing import Any
 from . import report
 from .attention import SafeAttention
 from .fences import GLOBAL_FENCES
-from .mlp import install_h3_mlp_patches
+from .mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .runtime import explain_auto, runtime
 

@@ -155,24 +155,6 @@ def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str
     return version, family, None
 
 
-def free_device_bytes(device) -> int | None:
-    """Free memory on ``device`` as ComfyUI accounts it (``model_management.get_free_memory``:
-    the device's free memory plus what PyTorch's caching allocator holds unused) when ComfyUI is
-    loaded, else the same sum from torch; None off CUDA or when unreadable. Host queries only:
-    no stream or device synchronisation."""
-    if getattr(device, "type", "cpu") != "cuda":
-        return None
-    mm = sys.modules.get("comfy.model_management")
-    fn = getattr(mm, "get_free_memory", None) if mm is not None else None
-    try:
-        if fn is not None:
-            return int(fn(device))
-        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(torch.cuda.mem_get_info(device)[0]) + max(idle, 0)
-    except Exception:
-        return None
-
-
 @functools.lru_cache(maxsize=1)
 def kernel_table() -> dict:
     """Measured throughput per (arch, kernel family); see docs/BENCHMARKS.md."""

@@ -2,7 +2,7 @@
 SafeSage Attention node's status text.
 
 The token count the node reports comes from ComfyUI's own H3 code where the tree has H3
-(0dd9b154: temporal_shape + PackedLayout); safe_ops.preflight.h3_tokens is SafeSage's copy of
+(0dd9b154: temporal_shape + PackedLayout); safe_ops.h3.h3_tokens is SafeSage's copy of
 that arithmetic for ComfyUI versions without H3. On an H3 tree these tests compare the two on
 the same inputs (sizes that are and are not multiples of 32, with and without references).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from comfy_graphs import SAFESAGE_DEFAULTS
 from comfy_server import has_minimax_h3
 
-from safe_ops.preflight import h3_tokens
+from safe_ops.h3 import h3_tokens
 
 PF_DEFAULTS = {"width": 1664, "height": 960, "length": 362, "ref_images": 0, "text_tokens": 256}
 

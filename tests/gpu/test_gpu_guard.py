@@ -47,7 +47,7 @@ def _fresh():
 def first_unsafe_strided() -> int:
     """The first H3 length whose strided call leaves the family's envelope (index rules)."""
     from safe_ops.envelope_sage2 import first_unsafe
-    from safe_ops.preflight import h3_attention_call
+    from safe_ops.h3 import h3_attention_call
     env = ga.sage_kern().envelope
     return first_unsafe(env, lambda n: h3_attention_call(n, arch="sm_90"), 1024, 700_000, rules=("index",))
 
@@ -78,7 +78,8 @@ def test_unguarded_call_faults_or_is_wrong_in_a_subprocess():
 
 
 def test_probe_catches_a_kernel_wrong_on_the_tail():
-    from safe_ops.attention import Kernel, SafeAttention
+    from safe_ops.kernels import Kernel
+    from safe_ops.attention import SafeAttention
     real = ga.sage_kern()
 
     def broken(q, k, v, layout, scale):
@@ -143,7 +144,8 @@ def test_legacy_stream_kernel_under_a_side_stream_is_correct_and_memory_returns(
 
 
 def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
-    from safe_ops.attention import Kernel, SafeAttention
+    from safe_ops.kernels import Kernel
+    from safe_ops.attention import SafeAttention
     real = ga.sage_kern()
 
     def missing_extension(*a, **k):
@@ -157,7 +159,8 @@ def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
 
 
 def test_probe_catches_nan_in_a_tail_row_of_the_second_batch_element():
-    from safe_ops.attention import Kernel, SafeAttention
+    from safe_ops.kernels import Kernel
+    from safe_ops.attention import SafeAttention
     real = ga.sage_kern()
 
     def nan_tail(q, k, v, layout, scale):

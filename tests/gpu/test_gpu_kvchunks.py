@@ -48,7 +48,7 @@ def _fresh():
 def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
     """A 6,000-key rule forces 2+ key chunks at 12,000 tokens: error vs SDPA at the kernel's own
     (unchunked) level, and the LSE the kernel returns is consistent across chunks."""
-    from safe_ops.attention import Kernel, sage2_kernel
+    from safe_ops.kernels import Kernel, sage2_kernel
     from safe_ops.envelope_sage2 import KvLenRule
     kern = sage2_kernel(fam)
     if kern is None:
@@ -86,7 +86,7 @@ def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
 
 
 def test_ck_int8_when_installed():
-    from safe_ops.attention import ck_kernel
+    from safe_ops.kernels import ck_kernel
     from safe_ops.runtime import runtime
     kern = ck_kernel(runtime())
     if kern is None:
@@ -99,7 +99,8 @@ def test_ck_int8_when_installed():
 
 def test_budget_sees_an_allocation_without_sync():
     """Allocating a third of free memory moves the budget down (no device sync involved)."""
-    from safe_ops.attention import FREE_MEMORY_FRACTION, SafeAttention
+    from safe_ops.budget import FREE_MEMORY_FRACTION
+    from safe_ops.attention import SafeAttention
     import safe_ops.attention as A
     att = SafeAttention(Policy(verify="off"), kernels=[])
     A.BUDGET_POLL_S, old = 0.0, A.BUDGET_POLL_S
@@ -118,7 +119,7 @@ def test_budget_sees_an_allocation_without_sync():
 def test_kv_chunks_from_a_side_stream():
     """The legacy-stream hop with key chunks: same result from a side stream, and no growth of
     allocated memory once the call is done (copies fenced, chunk outputs allocator-ordered)."""
-    from safe_ops.attention import Kernel, sage2_kernel
+    from safe_ops.kernels import Kernel, sage2_kernel
     from safe_ops.envelope_sage2 import KvLenRule
     from safe_ops import planner
     kern = sage2_kernel("sage2_fp8pv_perwarp")

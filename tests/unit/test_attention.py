@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from safe_ops import report
-from safe_ops.attention import Kernel, SafeAttention, normalise
+from safe_ops.kernels import Kernel
+from safe_ops.attention import SafeAttention
+from safe_ops.comfy_call import normalise
 from safe_ops.envelope import SAGE1_TRITON, AttnCall, IndexTerm, TensorDesc, check
 from safe_ops.policy import Policy
 from safe_ops.probe import Verifier
@@ -505,7 +507,7 @@ def test_kernel_without_lse_never_gets_kv_chunks(small_kv_chunks):
 
 
 def test_lse_merge_is_exact_and_shift_invariant():
-    from safe_ops.attention import lse_merge
+    from safe_ops.executor import lse_merge
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
     s = 16 ** -0.5
@@ -519,7 +521,7 @@ def test_lse_merge_is_exact_and_shift_invariant():
 
 # ------------------------------------------------------------- budget and auto
 def test_budget_buckets():
-    from safe_ops.attention import BUDGET_STEP, budget_bucket
+    from safe_ops.budget import BUDGET_STEP, budget_bucket
     assert budget_bucket(0) == 0 and budget_bucket(-5) == 0
     for n in (1, 1000, 3 * 2**30, 97 * 2**30):
         b = budget_bucket(n)
@@ -578,7 +580,7 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
     import sys
     import types
 
-    import safe_ops.attention as A
+    import safe_ops.kernels as A
     from safe_ops.envelope_sage2 import SAGEATTN_CALL
     fake = types.ModuleType("sageattention")
     for name, _ in SAGEATTN_CALL.values():
@@ -687,7 +689,7 @@ def test_only_sticky_cuda_errors_propagate(msg, sticky):
 
 
 def test_budget_is_read_at_most_every_poll_interval_and_bucketed(monkeypatch):
-    import safe_ops.attention as A
+    import safe_ops.budget as A
     reads, clock = [], {"t": 100.0}
     free = {"b": 10 * 2**30}
 

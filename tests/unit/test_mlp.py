@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from safe_ops import mlp
+from safe_ops import mlp, mlp_patch, mlp_plan
 from safe_ops.fences import FenceBook
 
 
@@ -157,38 +157,38 @@ def test_swiglu_gate_is_first_half():
 # ---------------------------------------------------------------------------------------
 def test_plan_chunk_boundaries():
     hidden, ffn, b = 5376, 14336, 2
-    per = mlp.per_token_bytes(hidden, ffn, b)
+    per = mlp_plan.per_token_bytes(hidden, ffn, b)
     assert per == (3 * ffn + hidden) * b + ffn + hidden
     # S = 0, everything fits, exactly fits
-    assert mlp.plan_chunk(0, hidden, ffn, b, 1 << 30) == 0
-    assert mlp.plan_chunk(1000, hidden, ffn, b, per * 1000) == 1000
-    assert mlp.plan_chunk(1000, hidden, ffn, b, per * 1000 - 1) == 768
+    assert mlp_plan.plan_chunk(0, hidden, ffn, b, 1 << 30) == 0
+    assert mlp_plan.plan_chunk(1000, hidden, ffn, b, per * 1000) == 1000
+    assert mlp_plan.plan_chunk(1000, hidden, ffn, b, per * 1000 - 1) == 768
     # rounded down to a multiple of 256
-    c = mlp.plan_chunk(169000, hidden, ffn, b, 768 * 2 ** 20)
+    c = mlp_plan.plan_chunk(169000, hidden, ffn, b, 768 * 2 ** 20)
     assert c % 256 == 0 and c * per <= 768 * 2 ** 20 < (c + 256) * per
     # below 256 tokens: the largest count that fits, never < 1
-    assert mlp.plan_chunk(169000, hidden, ffn, b, per * 255) == 255
-    assert mlp.plan_chunk(169000, hidden, ffn, b, per * 256) == 256
-    assert mlp.plan_chunk(169000, hidden, ffn, b, per - 1) == 1
-    assert mlp.plan_chunk(169000, hidden, ffn, b, 0) == 1
-    assert mlp.plan_chunk(1, hidden, ffn, b, 0) == 1
+    assert mlp_plan.plan_chunk(169000, hidden, ffn, b, per * 255) == 255
+    assert mlp_plan.plan_chunk(169000, hidden, ffn, b, per * 256) == 256
+    assert mlp_plan.plan_chunk(169000, hidden, ffn, b, per - 1) == 1
+    assert mlp_plan.plan_chunk(169000, hidden, ffn, b, 0) == 1
+    assert mlp_plan.plan_chunk(1, hidden, ffn, b, 0) == 1
 
 
 def test_resolve_and_parse_chunk_setting():
     d = torch.device("cpu")
-    assert mlp.parse_chunk_setting("auto") == "auto"
-    assert mlp.parse_chunk_setting(" OFF ") == "off"
-    assert mlp.parse_chunk_setting("4096") == 4096
-    assert mlp.parse_chunk_setting(None) == "auto"
+    assert mlp_plan.parse_chunk_setting("auto") == "auto"
+    assert mlp_plan.parse_chunk_setting(" OFF ") == "off"
+    assert mlp_plan.parse_chunk_setting("4096") == 4096
+    assert mlp_plan.parse_chunk_setting(None) == "auto"
     for bad in (0, -3, "0", "lots", True, 1.5):
         with pytest.raises(ValueError):
-            mlp.parse_chunk_setting(bad)
-    assert mlp.resolve_chunk("off", 5000, 64, 128, torch.bfloat16, d) == 5000
-    assert mlp.resolve_chunk(300, 5000, 64, 128, torch.bfloat16, d) == 300
-    assert mlp.resolve_chunk(30000, 5000, 64, 128, torch.bfloat16, d) == 5000
-    per = mlp.per_token_bytes(64, 128, 2)
-    assert mlp.resolve_chunk("auto", 5000, 64, 128, torch.bfloat16, d, budget_bytes=per * 600) == 512
-    assert mlp.resolve_chunk("auto", 0, 64, 128, torch.bfloat16, d) == 0
+            mlp_plan.parse_chunk_setting(bad)
+    assert mlp_plan.resolve_chunk("off", 5000, 64, 128, torch.bfloat16, d) == 5000
+    assert mlp_plan.resolve_chunk(300, 5000, 64, 128, torch.bfloat16, d) == 300
+    assert mlp_plan.resolve_chunk(30000, 5000, 64, 128, torch.bfloat16, d) == 5000
+    per = mlp_plan.per_token_bytes(64, 128, 2)
+    assert mlp_plan.resolve_chunk("auto", 5000, 64, 128, torch.bfloat16, d, budget_bytes=per * 600) == 512
+    assert mlp_plan.resolve_chunk("auto", 0, 64, 128, torch.bfloat16, d) == 0
 
 
 # ---------------------------------------------------------------------------------------
@@ -320,10 +320,10 @@ def test_install_on_non_h3_model():
             self.object_patches[k] = v
 
     p = P(torch.nn.Sequential(torch.nn.Linear(4, 4)))
-    r = mlp.install_h3_mlp_patches(p, "auto")
+    r = mlp_patch.install_h3_mlp_patches(p, "auto")
     assert r["patched"] == 0 and "not a MiniMax H3 model" in r["skipped"] and r["conflicts"] == []
     assert p.object_patches == {}
-    r = mlp.install_h3_mlp_patches(object(), "auto")
+    r = mlp_patch.install_h3_mlp_patches(object(), "auto")
     assert r["patched"] == 0 and r["skipped"]
 
 

@@ -57,7 +57,7 @@ except Exception as e:  # pragma: no cover - environment
 if getattr(comfy.ops, "linear_input_act", None) is None:  # pragma: no cover
     pytest.skip("this ComfyUI has no comfy.ops.linear_input_act", allow_module_level=True)
 
-from safe_ops import mlp
+from safe_ops import h3, mlp, mlp_patch
 from safe_ops.fences import FenceBook
 
 HIDDEN, FFN = 64, 96
@@ -586,37 +586,37 @@ def _model_patcher(dm):
 
 
 def _mlp_keys(dm):
-    return sorted(f"diffusion_model.{n}.forward" for n, _ in mlp.find_h3_mlps(dm))
+    return sorted(f"diffusion_model.{n}.forward" for n, _ in h3.find_h3_mlps(dm))
 
 
 def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
     dm = _tiny_h3()
     p = _model_patcher(dm)
     n_expected = H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
-    r = mlp.install_h3_mlp_patches(p, 32)
+    r = mlp_patch.install_h3_mlp_patches(p, 32)
     assert r == {"patched": n_expected, "skipped": None, "conflicts": [], "removed": 0}
     keys = sorted(p.object_patches)
     assert keys == _mlp_keys(dm)
     assert any(".token_refiner." in k for k in keys) and any(k.startswith("diffusion_model.blocks.") for k in keys)
     first = dict(p.object_patches)
-    r2 = mlp.install_h3_mlp_patches(p, "auto")
+    r2 = mlp_patch.install_h3_mlp_patches(p, "auto")
     assert r2["patched"] == n_expected and r2["conflicts"] == []
     assert len(p.object_patches) == n_expected
     for k, v in p.object_patches.items():
         assert v is not first[k] and v.chunk_setting == "auto"
-        assert not isinstance(getattr(v, "module", None), mlp.H3ChunkedMLPForward)  # never wraps ours
+        assert not isinstance(getattr(v, "module", None), mlp_patch.H3ChunkedMLPForward)  # never wraps ours
 
     # a foreign patch on one key is reported, not replaced
     foreign_key = keys[0]
     foreign = lambda x: x
     p.add_object_patch(foreign_key, foreign)
-    r3 = mlp.install_h3_mlp_patches(p, 64)
+    r3 = mlp_patch.install_h3_mlp_patches(p, 64)
     assert r3["patched"] == n_expected - 1
     assert [c["key"] for c in r3["conflicts"]] == [foreign_key]
     assert p.object_patches[foreign_key] is foreign
 
     # off removes ours, leaves the foreign one
-    r4 = mlp.install_h3_mlp_patches(p, "off")
+    r4 = mlp_patch.install_h3_mlp_patches(p, "off")
     assert r4["patched"] == 0 and r4["removed"] == n_expected - 1 and r4["skipped"] == "MLP chunking off"
     assert p.object_patches == {foreign_key: foreign}
 
@@ -633,7 +633,7 @@ def test_model_patcher_patch_unpatch_cycle_with_lora():
     delta = torch.randn(w_orig.shape, generator=torch.Generator().manual_seed(6)) * 0.05
     loader.add_patches({"diffusion_model.blocks.0.mlp.fc1.weight": ("diff", (delta,))}, 1.0)
     mp = loader.clone()
-    r = mlp.install_h3_mlp_patches(mp, 48)
+    r = mlp_patch.install_h3_mlp_patches(mp, 48)
     assert r["patched"] == H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
     assert sorted(mp.object_patches) == _mlp_keys(dm) and loader.object_patches == {}
     x = _x(200)
@@ -656,7 +656,7 @@ def test_model_patcher_patch_unpatch_cycle_with_lora():
             mod(x)
         assert mlp.MLP_STATS.chunks == stats1, "after unpatch_model the chunked forward is not called"
     # the restored bound forward is not a foreign patch: reinstalling works
-    assert mlp.install_h3_mlp_patches(mp, 48)["conflicts"] == []
+    assert mlp_patch.install_h3_mlp_patches(mp, 48)["conflicts"] == []
 
 
 def test_class_level_foreign_patch_is_reported_not_bypassed(monkeypatch):
@@ -668,7 +668,7 @@ def test_class_level_foreign_patch_is_reported_not_bypassed(monkeypatch):
     def other_pack_forward(self, x):
         return orig(self, x)
     monkeypatch.setattr(h3.MLP, "forward", other_pack_forward)
-    r = mlp.install_h3_mlp_patches(p, 64)
+    r = mlp_patch.install_h3_mlp_patches(p, 64)
     assert r["patched"] == 0 and r["conflicts"][0]["kind"] == "class_forward"
     assert p.object_patches == {}
 
@@ -678,14 +678,14 @@ def test_mlp_forward_of_another_form_is_not_patched(monkeypatch):
     residual) keeps its own MLPs, with the reason reported."""
     dm = _tiny_h3()
     p = _model_patcher(dm)
-    assert mlp._forward_is_mirrored(h3.MLP)
+    assert mlp_patch._forward_is_mirrored(h3.MLP)
     ns = {}
     exec("def forward(self, x):\n"
          "    return comfy.ops.linear_input_act(self.fc2, self.fc1(x), 'swiglu') + x\n", vars(h3), ns)
     changed = ns["forward"]
     changed.__qualname__, changed.__module__ = h3.MLP.forward.__qualname__, h3.MLP.forward.__module__
     monkeypatch.setattr(h3.MLP, "forward", changed)
-    r = mlp.install_h3_mlp_patches(p, 64)
+    r = mlp_patch.install_h3_mlp_patches(p, 64)
     assert r["patched"] == 0 and r["conflicts"] == [] and "not the" in r["skipped"]
     assert p.object_patches == {}
 
@@ -693,7 +693,7 @@ def test_mlp_forward_of_another_form_is_not_patched(monkeypatch):
 def test_patched_tiny_h3_mlp_chunked_through_object_patch():
     dm = _tiny_h3(seed=4)
     p = _model_patcher(dm)
-    mlp.install_h3_mlp_patches(p, 48)
+    mlp_patch.install_h3_mlp_patches(p, 48)
     p.patch_model()
     mod = dm.token_refiner.blocks[0].mlp
     x = _x(200)

@@ -7,7 +7,8 @@ from safe_ops import patch as patch_mod
 from safe_ops import report
 from safe_ops.attention import SafeAttention
 from safe_ops.policy import Policy
-from safe_ops.preflight import h3_attention_call, h3_tokens, preflight
+from safe_ops.h3 import h3_attention_call, h3_tokens
+from safe_ops.preflight import preflight
 from safe_ops.runtime import Runtime
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from safe_ops import h3
 from safe_ops import preflight as pf
 from safe_ops.policy import Policy
 from safe_ops.runtime import Runtime
@@ -38,7 +39,7 @@ def test_budget_and_memory_warning_follow_free_memory():
     tight = _report(H200_SAGE22, free_bytes=2 * GiB, policy=Policy(kernel="sage"))
     assert any("exceed the 2.00 GiB free now" in w for w in tight["warnings"])
     (v,) = tight["verdicts"]
-    from safe_ops.attention import plan_budget_bytes
+    from safe_ops.budget import plan_budget_bytes
     assert v.scenario.budget_bytes == plan_budget_bytes(2 * GiB)      # the runtime's own budget rule
     assert v.plan.peak_bytes <= v.scenario.budget_bytes
 
@@ -77,7 +78,7 @@ def test_policy_changes_the_plan_and_the_mlp_chunk():
 def test_comfy_count_absent_without_comfyui():
     """Outside ComfyUI (a fresh process with only the repository on the path) ComfyUI's own count
     is unavailable and the report falls back to SafeSage's arithmetic, saying so."""
-    code = ("from safe_ops.preflight import comfy_h3_tokens, preflight_report\n"
+    code = ("from safe_ops.h3 import comfy_h3_tokens\nfrom safe_ops.preflight import preflight_report\n"
             "from safe_ops.runtime import Runtime\n"
             "rt = Runtime('t', None, None, None, None, None, 'x', None, None, None)\n"
             "print(comfy_h3_tokens(1664, 960, 362))\n"
@@ -91,8 +92,8 @@ def test_comfy_count_absent_without_comfyui():
 
 def test_token_arithmetic_pads_odd_latents_like_comfyui():
     # 976 / 16 = 61 latent rows, padded to 62 for the 2x2 patch: 31 token rows (not 976 // 32 = 30)
-    t = pf.h3_tokens(976, 560, 200, ref_images=1, text_tokens=0)
-    assert t.video == pf.h3_latent_t(209) * 31 * 18
+    t = h3.h3_tokens(976, 560, 200, ref_images=1, text_tokens=0)
+    assert t.video == h3.h3_latent_t(209) * 31 * 18
     assert t.refs == 30 * 18                     # the reference is rounded to 960x576 first
 
 
@@ -171,8 +172,8 @@ def test_mlp_prediction_against_comfyuis_own_layers_on_the_h200():
 
 def test_gpu_runtime_without_a_readable_free_memory(monkeypatch):
     """free memory unknown (the runtime's reader fails): no budget, no memory warning, still a plan."""
-    import safe_ops.runtime
-    monkeypatch.setattr(safe_ops.runtime, "free_device_bytes", lambda device: None)
+    import safe_ops.budget
+    monkeypatch.setattr(safe_ops.budget, "free_device_bytes", lambda device: None)
     r = pf.preflight_report(1664, 960, 362, ref_images=3, rt=H200_SAGE22, comfy_wants_sage=True)
     (v,) = r["verdicts"]
     assert v.scenario.budget_bytes is None and v.plan is not None
@@ -183,7 +184,7 @@ def test_comfy_kitchen_attention_in_the_report():
     """comfy-kitchen's int8_attention (--use-ck-attention): without a GPU both version envelopes;
     on a GPU the installed one, or why it is not usable. 0.2.29-0.2.35's limit is #178's 299,520."""
     from dataclasses import replace
-    S = pf.h3_tokens(1280, 720, 1201).total
+    S = h3.h3_tokens(1280, 720, 1201).total
     assert S > 299_520
     r = pf.preflight_report(1280, 720, 1201, rt=CPU, comfy_wants_sage=True)
     text = r["text"]

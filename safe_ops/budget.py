@@ -1,0 +1,92 @@
+"""Free device memory -> the bytes a plan may use. One reader for attention, MLP and Preflight.
+
+Host queries only (no stream or device synchronisation). ComfyUI's own ``get_free_memory`` is
+used when ComfyUI is loaded (it adds what PyTorch's caching allocator holds unused and sees what
+dynamic VRAM frees or takes); without ComfyUI the same sum comes from torch.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+
+# Fraction of currently free device memory an attention plan's peak may use: its own copies and
+# merge state *and* the kernel's temporaries of one launch (Plan.peak_bytes) -- everything the
+# call allocates beyond its inputs and result, so most of what is free, with a margin.
+FREE_MEMORY_FRACTION = 0.8
+BUDGET_STEP = 2 ** 0.25      # budget buckets (~19% apart): a plan is re-chosen when free memory moves
+BUDGET_POLL_S = 0.05         # free memory is re-read at most this often
+
+#: the MLP never plans a chunk's intermediates below this, even with little free memory
+MLP_BUDGET_FLOOR_BYTES = 256 * 1024 ** 2
+#: the MLP never uses more than this fraction of the free device memory for a chunk
+MLP_FREE_FRACTION = 0.25
+
+
+def free_device_bytes(device) -> int | None:
+    """Free memory on ``device`` as ComfyUI accounts it (``model_management.get_free_memory``:
+    the device's free memory plus what PyTorch's caching allocator holds unused) when ComfyUI is
+    loaded, else the same sum from torch; None off CUDA or when unreadable. Host queries only:
+    no stream or device synchronisation."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    mm = sys.modules.get("comfy.model_management")
+    fn = getattr(mm, "get_free_memory", None) if mm is not None else None
+    try:
+        if fn is not None:
+            return int(fn(device))
+        idle = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(torch.cuda.mem_get_info(device)[0]) + max(idle, 0)
+    except Exception:
+        return None
+
+
+def budget_bucket(nbytes: int) -> int:
+    """``nbytes`` rounded down to a power of BUDGET_STEP (0 for nothing free)."""
+    if nbytes <= 0:
+        return 0
+    quarters = math.floor(4 * math.log2(nbytes) + 1e-9)        # BUDGET_STEP = 2 ** (1/4)
+    while True:
+        b = int(2 ** (quarters // 4) * 2 ** ((quarters % 4) / 4))
+        if b <= nbytes:
+            return b
+        quarters -= 1
+
+
+def plan_budget_bytes(free: int | None) -> int | None:
+    """What an attention plan may use out of ``free`` bytes: FREE_MEMORY_FRACTION of it, bucketed."""
+    return None if free is None else budget_bucket(int(free * FREE_MEMORY_FRACTION))
+
+
+class BudgetReader:
+    """An attention plan's budget on a device *now*, re-read at most every BUDGET_POLL_S seconds.
+
+    Free device memory (:func:`free_device_bytes`) times FREE_MEMORY_FRACTION, rounded down to a
+    BUDGET_STEP bucket so that plans are re-chosen only when it really moves. None off CUDA
+    (no limit)."""
+
+    def __init__(self):
+        self._cache: dict = {}        # device index -> (time read, budget)
+
+    def __call__(self, device: torch.device) -> int | None:
+        if device.type != "cuda":
+            return None
+        now = time.monotonic()
+        hit = self._cache.get(device.index)
+        if hit is not None and now - hit[0] < BUDGET_POLL_S:
+            return hit[1]
+        budget = plan_budget_bytes(free_device_bytes(device))
+        self._cache[device.index] = (now, budget)
+        return budget
+
+
+def mlp_budget_bytes(device, cap_bytes: int) -> int:
+    """Bytes one MLP chunk's intermediates may use: ``cap_bytes``, less when free memory is short
+    (MLP_FREE_FRACTION of it), never below MLP_BUDGET_FLOOR_BYTES."""
+    budget = cap_bytes
+    free = free_device_bytes(device)
+    if free is not None:
+        budget = min(budget, int(free * MLP_FREE_FRACTION))
+    return max(budget, MLP_BUDGET_FLOOR_BYTES)

@@ -1,0 +1,104 @@
+"""ComfyUI's attention call -> a normalised call (HND views, no copies), and its result back.
+
+ComfyUI calls ``optimized_attention_override(func, q, k, v, heads, mask=None,
+attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kwargs)``; this module
+reads those forms (3-d ``[B,S,H*D]`` or, with ``skip_reshape``, 4-d ``[B,H,S,D]``) and shapes a
+``[B,H,S,D]`` result the way ComfyUI's attention functions return it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .envelope import TensorDesc
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def _desc(t: torch.Tensor) -> TensorDesc:
+    return TensorDesc(tuple(t.shape), tuple(t.stride()))
+
+
+@dataclass
+class Normalised:
+    q: torch.Tensor          # HND views [B, H, Sq, D]
+    k: torch.Tensor
+    v: torch.Tensor
+    heads: int
+    mask: torch.Tensor | None
+    scale: float | None
+    caller_layout: str       # the layout ComfyUI's own sage path would use
+    skip_output_reshape: bool
+    low_precision_ok: bool = True   # False: the model asked for full-precision attention
+
+    def finish(self, out_hnd: torch.Tensor) -> torch.Tensor:
+        """Shape the [B,H,Sq,D] result the way ComfyUI's attention functions return it."""
+        if self.skip_output_reshape:
+            return out_hnd
+        b, h, s, d = out_hnd.shape
+        return out_hnd.transpose(1, 2).reshape(b, s, h * d)
+
+
+
+class UnsupportedCall(ValueError):
+    """An attention call SafeSage cannot read; it is passed to ComfyUI's own function."""
+
+
+def normalise(args: tuple, kwargs: dict) -> Normalised:
+    """ComfyUI's call forms -> HND views of q/k/v (no copies) plus what the output needs."""
+    na = len(args)
+    get = kwargs.get
+    q = args[0] if na > 0 else get("q")
+    k = args[1] if na > 1 else get("k")
+    v = args[2] if na > 2 else get("v")
+    heads = args[3] if na > 3 else get("heads")
+    mask = args[4] if na > 4 else get("mask")
+    skip_reshape = bool(args[6] if na > 6 else get("skip_reshape", False))
+    skip_output_reshape = bool(args[7] if na > 7 else get("skip_output_reshape", False))
+    Tensor = torch.Tensor
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        raise UnsupportedCall("q, k and v must be tensors")
+    if not isinstance(heads, int) or heads < 1:
+        raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
+    dq = q.get_device()                      # an int: cheaper than building torch.device objects
+    if dq != k.get_device() or dq != v.get_device():
+        raise UnsupportedCall("q, k and v are on different devices")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise UnsupportedCall(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if skip_reshape:
+        if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+            raise UnsupportedCall(f"skip_reshape expects 4-d [B,H,S,D] tensors, got ranks {q.ndim}/{k.ndim}/{v.ndim}")
+        qh, kh, vh = q, k, v
+        layout = "HND"
+    else:
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+            raise UnsupportedCall(f"expects 3-d [B,S,H*D] tensors, got ranks {q.ndim}/{k.ndim}/{v.ndim}")
+        if q.shape[-1] % heads:
+            raise UnsupportedCall(f"q width {q.shape[-1]} not divisible by heads {heads}")
+        d = q.shape[-1] // heads
+        if k.shape[-1] % d or v.shape[-1] != k.shape[-1]:
+            raise UnsupportedCall(f"k/v widths {k.shape[-1]}/{v.shape[-1]} do not fit head_dim {d}")
+        qh = q.unflatten(-1, (heads, d)).transpose(1, 2)
+        kh = k.unflatten(-1, (k.shape[-1] // d, d)).transpose(1, 2)
+        vh = v.unflatten(-1, (v.shape[-1] // d, d)).transpose(1, 2)
+        layout = "NHD"
+    if qh.shape[0] != kh.shape[0] or kh.shape[:3] != vh.shape[:3] or qh.shape[3] != kh.shape[3]:
+        raise UnsupportedCall(f"mismatched shapes q{tuple(qh.shape)} k{tuple(kh.shape)} v{tuple(vh.shape)}")
+    if kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
+        raise UnsupportedCall(f"q heads {qh.shape[1]} not a multiple of kv heads {kh.shape[1]}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise UnsupportedCall("mask must be a tensor")
+        if mask.ndim == 2:
+            mask = mask.unsqueeze(0)
+        if mask.ndim == 3:
+            mask = mask.unsqueeze(1)
+    scale = kwargs.get("scale")
+    # ComfyUI's attention_sage runs PyTorch attention when a model passes
+    # low_precision_attention=False (e.g. SAM3); keep that contract.
+    low_ok = get("low_precision_attention", True) is not False
+    return Normalised(qh, kh, vh, qh.shape[1], mask, scale, layout, skip_output_reshape, low_ok)
+

@@ -1,0 +1,219 @@
+"""Runs a Plan: the launches, the log-sum-exp merge of key chunks, the hop to the legacy stream.
+
+Knows nothing of choice: :class:`Executor` is handed a plan (planner.py) and the normalised
+call (comfy_call.py) and executes it with the kernel adapters (kernels.py).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .comfy_call import Normalised
+from .fences import FenceBook, StreamHop
+from .kernels import Kernel, _sdpa_fn
+from .planner import Plan
+from . import report
+
+# CUDA errors that leave the context unusable (sticky): nothing can be recomputed after them.
+# Others ("no kernel image is available", "invalid device function": a build for another GPU)
+# mean nothing was launched, so the call can be recomputed with another kernel.
+_STICKY_CUDA_ERRORS = ("illegal memory access", "illegal address", "unspecified launch failure",
+                       "misaligned address", "device-side assert", "illegal instruction",
+                       "hardware stack error", "CUBLAS_STATUS_EXECUTION_FAILED", "launch timed out")
+
+
+def is_cuda_error(e: BaseException) -> bool:
+    """A sticky CUDA error (asynchronous, poisons the context): it cannot be recovered by
+    recomputing, so it must propagate."""
+    msg = str(e)
+    return any(s in msg for s in _STICKY_CUDA_ERRORS)
+
+
+def is_oom(e: BaseException) -> bool:
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", ())
+    return isinstance(e, oom) or "out of memory" in str(e)
+
+
+
+class Executor:
+    """Executes plans with ``kernels`` (family -> Kernel), fencing on ``fences``."""
+
+    def __init__(self, kernels: dict, fences: FenceBook, debug_sync: bool = False):
+        self.kernels = kernels
+        self.fences = fences
+        self.debug_sync = debug_sync
+
+    def run(self, plan: Plan, n: Normalised) -> torch.Tensor:
+        """Execute ``plan``; returns the result as an HND [B,H,Sq,D] tensor (maybe a view).
+
+        Same stream (Triton sage, SDPA): the caching allocator already orders the
+        reuse of every temporary after the kernels enqueued on that stream, so a
+        copy is freed as soon as the next one is made and peak memory stays at
+        one launch's worth. Kernels on the legacy default stream (sage 2.x CUDA):
+        the call hops there behind an event and the caller's stream waits for the
+        result with another event -- no host synchronisation either way. Inside the
+        hop the kernel's own temporaries and the pack's copies are allocated on the
+        legacy stream, so the allocator orders their reuse; the copies are fenced
+        anyway (defence in depth, bytes capped). The
+        caller's q/k/v views are *not* fenced: they belong to the caller's stream,
+        which waits for the hop's exit event before any later work, so their memory
+        cannot be reused early -- and fencing them would pin the whole qkv buffer.
+        """
+        kern = self.kernels[plan.kernel]
+        q, k = n.q, n.k
+        dev = q.device
+        hop = None
+        if kern.envelope.launches_on_legacy_stream and dev.type == "cuda":
+            cur = torch.cuda.current_stream(dev)
+            legacy = torch.cuda.default_stream(dev)
+            if cur != legacy:
+                hop = StreamHop(cur, legacy)
+        if hop is None:
+            out = self._launch_all(plan, kern, n, None)
+        else:
+            report.count("stream_hops")
+            hop.enter()
+            try:
+                with torch.cuda.stream(hop.target):
+                    out = self._launch_all(plan, kern, n,
+                                           lambda ts: self.fences.hold(ts, stream=hop.target, label=plan.kernel))
+            finally:
+                # Even when a launch raised: the caller's stream must not run ahead of (and the
+                # allocator must not hand out memory still read by) what was already enqueued.
+                hop.exit()
+            # `out` was allocated on the legacy stream and is consumed on the caller's:
+            # tell the allocator, so its memory is not reused before the caller is done.
+            out.record_stream(hop.origin)
+        if self.debug_sync and dev.type == "cuda":
+            try:
+                torch.cuda.synchronize(dev)
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"SafeSage debug_sync: CUDA error right after {plan.describe()} "
+                    f"for q{tuple(q.shape)} k{tuple(k.shape)}: {e}") from e
+        return out
+
+    def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised,
+                    fence: Callable[[list], Any] | None) -> torch.Tensor:
+        q, k, v = n.q, n.k, n.v
+        if plan.kind == "sdpa":
+            return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
+        B, H, Sq, D = q.shape
+        Skv = k.shape[2]
+        g = plan.head_group or H
+        qc = plan.q_chunk or Sq
+        kc = plan.kv_chunk or Skv
+        ratio = H // k.shape[1]
+
+        nhd = plan.layout == "NHD"
+
+        def prep(t: torch.Tensor, name: str) -> torch.Tensor:
+            """A repacked tensor is contiguous in the kernel's layout (still seen as HND here)."""
+            if name not in plan.repack:
+                return t
+            return t.transpose(1, 2).contiguous().transpose(1, 2) if nhd else t.contiguous()
+
+        def launch(qs, ks, vs) -> torch.Tensor:
+            if plan.layout == "NHD":
+                o = kern.fn(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), "NHD", n.scale).transpose(1, 2)
+            else:
+                o = kern.fn(qs, ks, vs, "HND", n.scale)
+            if fence is not None:
+                # only what this call made for the kernel (repacked copies): views of the caller's
+                # q/k/v stay unfenced and the output is handed over with record_stream (Executor.run)
+                fence([t for t, name in ((qs, "q"), (ks, "k"), (vs, "v")) if name in plan.repack])
+            return o
+
+        if g >= H and qc >= Sq and kc >= Skv:
+            return launch(prep(q, "q"), prep(k, "k"), prep(v, "v"))
+
+        out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+        for h0 in range(0, H, g):
+            h1 = min(h0 + g, H)
+            kh, vh = k[:, h0 // ratio:h1 // ratio], v[:, h0 // ratio:h1 // ratio]
+            if kc < Skv:
+                self._launch_kv_chunks(plan, kern, n, fence, prep, out, h0, h1, kh, vh, kc)
+                continue
+            ks = prep(kh, "k")
+            vs = prep(vh, "v")
+            for s0 in range(0, Sq, qc):
+                s1 = min(s0 + qc, Sq)
+                out[:, h0:h1, s0:s1].copy_(launch(prep(q[:, h0:h1, s0:s1], "q"), ks, vs))
+            del ks, vs
+        return out
+
+    @staticmethod
+    def _launch_kv_chunks(plan: Plan, kern: Kernel, n: Normalised, fence, prep, out: torch.Tensor,
+                          h0: int, h1: int, kh: torch.Tensor, vh: torch.Tensor, kc: int) -> None:
+        """Heads h0:h1 of ``out`` from launches over ``kc`` keys at a time, merged exactly.
+
+        Per (head group x query chunk) block: a running float32 accumulator of the
+        normalised output and a running LSE; each key chunk's output ``o_c`` (LSE ``l_c``)
+        is folded in as ``acc = acc*exp(L - L') + o_c*exp(l_c - L')`` with
+        ``L' = logaddexp(L, l_c)``. Peak beyond the result: the accumulator (4 bytes per
+        element of the block), one launch's output and temporaries, the centred key chunk
+        and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
+
+        Fencing (legacy-stream kernels), as for the other plans (Executor.run): the copies made
+        for the kernel (repacked q/v, the centred key chunk) are fenced; views of the caller's
+        tensors are not. The kernel's output and LSE and the accumulator are not either: they
+        are allocated and consumed on the hop's stream, where the allocator orders reuse, and
+        holding every key chunk's output until the GPU caught up would multiply the memory
+        the plan was priced at.
+        """
+        q = n.q
+        B, _, Sq, D = q.shape
+        Skv = kh.shape[2]
+        qc = plan.q_chunk or Sq
+        nhd = plan.layout == "NHD"
+        centre = kern.envelope.lse_centred_k
+        # the unchunked call's smooth_k subtracts this mean (sage core.py: k.mean(seq_dim))
+        km = kh.mean(dim=2, keepdim=True) if centre else None
+
+        def key_chunk(c0: int, c1: int) -> torch.Tensor:
+            ks = kh[:, :, c0:c1]
+            if km is None:
+                return prep(ks, "k")
+            shape = (B, ks.shape[2], ks.shape[1], D) if nhd else tuple(ks.shape)
+            buf = torch.empty(shape, dtype=ks.dtype, device=ks.device)
+            buf = buf.transpose(1, 2) if nhd else buf
+            return torch.sub(ks, km, out=buf)
+
+        for s0 in range(0, Sq, qc):
+            s1 = min(s0 + qc, Sq)
+            qs = prep(q[:, h0:h1, s0:s1], "q")
+            acc = run = None
+            for c0 in range(0, Skv, kc):
+                c1 = min(c0 + kc, Skv)
+                ks = key_chunk(c0, c1)
+                vs = prep(vh[:, :, c0:c1], "v")
+                if nhd:
+                    o, lse = kern.fn_lse(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2),
+                                         "NHD", n.scale)
+                    o = o.transpose(1, 2)
+                else:
+                    o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
+                if fence is not None:
+                    fence([t for t, copy in ((ks, km is not None or "k" in plan.repack),
+                                             (vs, "v" in plan.repack)) if copy])
+                acc, run = lse_merge(acc, run, o, lse)
+                del ks, vs, o, lse
+            if fence is not None and "q" in plan.repack:
+                fence([qs])                  # once, after its last launch (not once per key chunk)
+            out[:, h0:h1, s0:s1].copy_(acc)
+            del acc, run, qs
+
+
+def lse_merge(acc: torch.Tensor | None, run: torch.Tensor | None, o: torch.Tensor,
+              lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold one key chunk's normalised output ``o`` [B,H,S,D] with LSE ``lse`` [B,H,S] into
+    the running float32 ``acc`` / ``run`` (None to start). Exact: softmax over the union of
+    the chunks' keys, as long as every ``lse`` is off by the same per-row constant."""
+    lse = lse.float()
+    if acc is None:
+        return o.float().clone() if o.dtype == torch.float32 else o.float(), lse
+    new = torch.logaddexp(run, lse)
+    acc.mul_(torch.exp(run - new).unsqueeze(-1))
+    acc.addcmul_(o, torch.exp(lse - new).unsqueeze(-1))
+    return acc, new

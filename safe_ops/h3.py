@@ -1,0 +1,142 @@
+"""MiniMax H3's facts: its dimensions, its packed token arithmetic, its attention call, its modules.
+
+The ground floor of the pack: imports nothing of it but the envelope's call description, and
+ComfyUI only lazily (inside :func:`comfy_h3_tokens`). H3's MLP and Preflight, the bench and
+the tests take H3's numbers from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .envelope import AttnCall, TensorDesc
+
+# MiniMax H3 at 0dd9b154 (comfy/ldm/minimax/model.py, comfy_extras/nodes_minimax_h3.py)
+H3_HEADS = 56
+H3_HEAD_DIM = 128
+H3_HIDDEN = 5376
+H3_FFN = 14336
+H3_LAYERS = 50
+H3_FPS = 24
+H3_AUDIO_LATENT_FPS = 40
+H3_TEXT_TOKENS = 256          # a typical prompt after the Qwen3-VL encoder (varies)
+
+
+def h3_latent_t(frame_count: int) -> int:
+    """Latent frames for a frame count on the 17k+5 grid (nodes_minimax_h3.video_latent_t)."""
+    return 2 if frame_count <= 5 else ((frame_count - 5) // 17) * 5 + 2
+
+
+def h3_frame_count(length: int) -> int:
+    n = max(5, length)
+    while n % 17 != 5:
+        n += 1
+    return n
+
+
+def _frame_rows(height: int, width: int) -> int:
+    """Tokens per latent frame: latent H/16 x W/16, padded to the 2x2 patch, one row per patch."""
+    lh, lw = height // 16, width // 16
+    return -(-lh // 2) * -(-lw // 2)
+
+
+def ref_latent_hw(width: int, height: int) -> tuple[int, int]:
+    """Latent (h, w) of a reference image of the target's own size under ref_image_size "match":
+    MiniMaxH3ReferenceToVideo rounds it to the 32-pixel canvas (round half to even, as Python's
+    round) and encodes it at /16. That rounding sits inline in the node's execute(), so it is
+    repeated here; the frame grid it feeds is ComfyUI's own in comfy_h3_tokens."""
+    tw = max(32, round(width / 32) * 32)
+    th = max(32, round(height / 32) * 32)
+    return th // 16, tw // 16
+
+
+@dataclass(frozen=True)
+class H3Tokens:
+    video: int
+    audio: int
+    refs: int
+    text: int
+    source: str = "SafeSage's copy of ComfyUI's H3 arithmetic"
+
+    @property
+    def total(self) -> int:
+        return self.video + self.audio + self.refs + self.text
+
+
+def h3_tokens(width: int, height: int, length: int, ref_images: int = 0,
+              text_tokens: int = H3_TEXT_TOKENS) -> H3Tokens:
+    """Packed sequence length of an H3 graph (video latent /16, patch 1x2x2; stereo audio at 40 Hz).
+
+    Reference images are counted as images of the target's own size (``ref_image_size`` "match";
+    references of another aspect ratio change the count a little)."""
+    frames = h3_frame_count(length)
+    video = h3_latent_t(frames) * _frame_rows(height, width)
+    audio = 2 * round(frames / H3_FPS * H3_AUDIO_LATENT_FPS)
+    rh, rw = ref_latent_hw(width, height)
+    refs = ref_images * _frame_rows(rh * 16, rw * 16)
+    return H3Tokens(video, audio, refs, text_tokens)
+
+
+def comfy_h3_tokens(width: int, height: int, length: int, ref_images: int = 0,
+                    text_tokens: int = H3_TEXT_TOKENS) -> H3Tokens | None:
+    """The same count from ComfyUI's own code: ``temporal_shape`` of the H3 nodes and the
+    ``seq_len`` of ``PackedLayout`` for that latent. None when this ComfyUI has no H3 (or
+    ComfyUI is not importable here)."""
+    # PackedLayout builds position tensors of the whole sequence on the CPU: beyond a few
+    # million tokens (far past any H3 render) that costs GiBs, so the pack's own count is used.
+    if h3_tokens(width, height, length, ref_images, text_tokens).total > COMFY_COUNT_MAX_TOKENS:
+        return None
+    try:
+        from comfy.ldm.minimax.model import PackedLayout  # type: ignore
+        from comfy_extras.nodes_minimax_h3 import temporal_shape  # type: ignore
+        return _comfy_count(PackedLayout, temporal_shape, width, height, length, ref_images, text_tokens)
+    except Exception:      # no H3 in this ComfyUI, or its signatures changed: the pack's own count
+        return None
+
+
+COMFY_COUNT_MAX_TOKENS = 4_000_000
+
+
+def _comfy_count(PackedLayout, temporal_shape, width, height, length, ref_images, text_tokens) -> H3Tokens:
+    _, latent_t, audio_t = temporal_shape(length)
+    lh, lw = height // 16, width // 16
+    lh, lw = lh + lh % 2, lw + lw % 2                   # pad_to_patch_size((1, 2, 2))
+    rh, rw = ref_latent_hw(width, height)
+    refs = [{"kind": "image", "latent_h": rh, "latent_w": rw}] * ref_images
+
+    def seq(n_refs):
+        return PackedLayout(text_tokens, latent_t, lh, lw, audio_t, refs=refs[:n_refs] or None).seq_len
+
+    total = seq(ref_images)
+    no_refs = seq(0)
+    video = latent_t * _frame_rows(height, width)
+    return H3Tokens(video, no_refs - video - text_tokens, total - no_refs, text_tokens,
+                    "ComfyUI's own H3 code (temporal_shape + PackedLayout)")
+
+
+def h3_attention_call(S: int, dtype: str = "bfloat16", arch: str = "") -> AttnCall:
+    """H3's attention call: [1,56,S,128] HND views into the [S, 3*56*128] qkv_proj output."""
+    row = 3 * H3_HEADS * H3_HEAD_DIM
+    t = TensorDesc((1, H3_HEADS, S, H3_HEAD_DIM), (S * row, H3_HEAD_DIM, row, 1))
+    return AttnCall(t, t, t, dtype, "HND", False, "cuda", arch, 2)
+
+
+# Where ComfyUI defines H3 (comfy/ldm/minimax/model.py): the model class and its MLP class.
+H3_MODEL_MODULE = "comfy.ldm.minimax.model"
+H3_MODEL_CLASS = "MiniMaxH3Model"
+H3_MLP_CLASS = "MLP"
+
+
+def is_h3_model(diffusion_model: Any) -> bool:
+    t = type(diffusion_model)
+    return t.__name__ == H3_MODEL_CLASS and t.__module__ == H3_MODEL_MODULE
+
+
+def is_h3_mlp(m: Any) -> bool:
+    t = type(m)
+    return t.__name__ == H3_MLP_CLASS and t.__module__ == H3_MODEL_MODULE
+
+
+def find_h3_mlps(diffusion_model: Any) -> list:
+    """(path, module) of every MiniMax H3 ``MLP`` (blocks and token-refiner blocks)."""
+    return [(name, m) for name, m in diffusion_model.named_modules() if is_h3_mlp(m)]

@@ -1,0 +1,100 @@
+"""How many tokens per chunk an H3 MLP call runs: the setting, the memory per token, the budget.
+
+Pure arithmetic plus one read of free device memory (budget.py); no ComfyUI, no GPU work.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .budget import mlp_budget_bytes
+from .h3 import H3_FFN, H3_HIDDEN
+
+#: token counts the planner rounds to
+CHUNK_ALIGN = 256
+#: "auto" aims at this many tokens per chunk. Measured on an H200 through ComfyUI 0dd9b154's
+#: own ops (bench/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json, GPU busy as inside
+#: the model): the GEMMs of 6,912-token chunks run less efficiently than the whole sequence's
+#: (fp8 +2.8% to +3.4% over 38k-169k tokens); with 16,384-token chunks fp8 is +1.6% to +1.9%.
+AUTO_CHUNK_TOKENS = 16_384
+#: never plan a budget below this, even with little free memory
+
+
+def per_token_bytes(hidden: int, ffn: int, dtype_bytes: int) -> int:
+    """Bytes one token of a chunk keeps live in the chunk loop (upper bound).
+
+    In the compute dtype: fc1 output ``2*ffn`` (gate|up), SwiGLU's output ``ffn`` (a new
+    contiguous tensor on the quantised paths; the dense path writes it in place into the
+    gate half) and fc2's per-chunk output ``hidden`` before it is copied into the
+    preallocated result; plus the
+    1-byte fp8 input copies of a quantised path (``hidden`` for fc1, ``ffn`` for fc2).
+    The dense path needs less (no input copies, fc2 writes straight into the output).
+    """
+    return (3 * ffn + hidden) * dtype_bytes + (ffn + hidden)
+
+
+#: "auto" memory budget for one chunk's intermediates (fc1 out + activation + fc2 in/out):
+#: what AUTO_CHUNK_TOKENS tokens of H3's MLP keep live in bf16 (116,480 B each -> 1,820 MiB)
+AUTO_BUDGET_BYTES = AUTO_CHUNK_TOKENS * per_token_bytes(H3_HIDDEN, H3_FFN, 2)
+
+
+def plan_chunk(S: int, hidden: int, ffn: int, dtype_bytes: int, budget_bytes: int) -> int:
+    """Tokens per chunk so one chunk's intermediates fit ``budget_bytes``.
+
+    Returns ``S`` when everything fits (no chunking; ``S = 0`` returns 0), otherwise the
+    largest multiple of 256 that fits, or -- when even 256 tokens do not fit -- the largest
+    token count that does, never less than 1.
+    """
+    S = int(S)
+    if S <= 0:
+        return 0
+    per_tok = per_token_bytes(int(hidden), int(ffn), int(dtype_bytes))
+    if per_tok <= 0:
+        return S
+    fit = int(budget_bytes) // per_tok
+    if fit >= S:
+        return S
+    if fit >= CHUNK_ALIGN:
+        return (fit // CHUNK_ALIGN) * CHUNK_ALIGN
+    return max(1, fit)
+
+
+def parse_chunk_setting(chunk_setting: Any) -> Any:
+    """``"auto"`` | ``"off"`` | positive int (also as a digit string) -> normalised value."""
+    if chunk_setting is None:
+        return "auto"
+    if isinstance(chunk_setting, bool):
+        raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
+    if isinstance(chunk_setting, int):
+        if chunk_setting < 1:
+            raise ValueError(f"SafeSage: MLP chunk tokens must be >= 1, got {chunk_setting}")
+        return chunk_setting
+    s = str(chunk_setting).strip().lower()
+    if s in ("auto", "off"):
+        return s
+    if s.isdigit() and int(s) >= 1:
+        return int(s)
+    raise ValueError(f"SafeSage: MLP chunk setting must be 'auto', 'off' or a token count, got {chunk_setting!r}")
+
+
+
+
+def auto_budget_bytes(device: torch.device) -> int:
+    """"auto"'s budget for one chunk on ``device``: AUTO_BUDGET_BYTES, less when memory is short."""
+    return mlp_budget_bytes(device, AUTO_BUDGET_BYTES)
+
+
+def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
+                  device: torch.device, budget_bytes: int | None = None) -> int:
+    """Chunk tokens for this call; ``>= S`` means "do not chunk"."""
+    setting = parse_chunk_setting(chunk_setting)
+    if setting == "off" or S <= 0:
+        return max(S, 0)
+    if setting == "auto":
+        if budget_bytes is None:
+            budget_bytes = auto_budget_bytes(device)
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        return plan_chunk(S, hidden, ffn, dtype_bytes, budget_bytes)
+    return min(int(setting), S)
+
