@@ -13,8 +13,8 @@ Modes (same process, same weights and input):
              chunked:   safe_ops.mlp.chunked_swiglu with the same dequantised weights.
   scaled_mm  ComfyUI's native fp8 path (mixed_precision_ops + comfy-kitchen): each Linear
              quantises its input to fp8 with scale 1.0 and runs ``torch._scaled_mm``
-             (unpatched: whole-sequence input copies; chunked: per chunk through
-             safe_ops.mlp.run_chunked_mlp). Skipped where _scaled_mm is unavailable.
+             (unpatched: whole-sequence input copies; chunked: the same function per chunk
+             through safe_ops.mlp.run_chunked). Skipped where _scaled_mm is unavailable.
 
 Per (mode, S, variant): peak allocated bytes (``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``; reported absolute and above the baseline of input + fp8 weights),
@@ -61,7 +61,8 @@ def swiglu_eager(x):  # comfy.ops._swiglu_eager at 0dd9b154
 
 
 def dequant(q, s, dtype):
-    return mlp.dequantize_fp8(q, s, dtype)
+    # comfy-kitchen's dequantize_per_tensor_fp8 formula
+    return q.to(dtype=dtype) * s.to(device=q.device, dtype=dtype)
 
 
 # -- dequant mode -----------------------------------------------------------------------
@@ -100,10 +101,7 @@ def scaled_unpatched(x, W, chunk=None):
 
 
 def scaled_chunked(x, W, chunk):
-    (q1, s1), (q2, s2) = W
-    fc1 = mlp.CallableLease(lambda inp: _fp8_linear(inp, q1, s1), label="fc1")
-    fc2 = mlp.CallableLease(lambda inp: _fp8_linear(inp, q2, s2), label="fc2")
-    return mlp.run_chunked_mlp(x, fc1, fc2, chunk)
+    return mlp.run_chunked(lambda xc: scaled_unpatched(xc, W), x, chunk)
 
 
 def scaled_mm_available(device):

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """MiniMax H3's MLP through ComfyUI's own ops: unpatched ``MLP.forward`` vs the pack's
-``safe_ops.mlp.h3_mlp_forward`` (what the SafeSage node installs), one process, same module.
+``safe_ops.mlp.h3_mlp_forward`` with ComfyUI's cast memoised (``safe_ops.mlp_comfy.install()``:
+exactly what the SafeSage node installs), one process, same module.
 
 The module is ComfyUI 0dd9b154's ``comfy.ldm.minimax.model.MLP`` at the real size (hidden 5376,
 ffn 14336) built with ComfyUI's own operations, weights loaded through ComfyUI's state-dict
@@ -12,6 +13,13 @@ path, on the GPU:
   bf16   ``comfy.ops.disable_weight_init`` with bf16 weights (a bf16 checkpoint).
   int8   ``mixed_precision_ops`` with TensorWiseINT8 weights (comfy-kitchen's int8 GEMM, SwiGLU
          fused into fc2's input quantiser by ``linear_input_act``), where comfy-kitchen runs it.
+  lowvram_bf16  ``comfy.ops.manual_cast`` with bf16 weights left in host memory (ComfyUI's
+         lowvram / offloaded layers): every Linear call really casts, copying its weight to the
+         GPU. Adds the variant ``per_chunk``: ComfyUI's forward per chunk without the memo, i.e.
+         one cast per Linear per chunk -- what the memo saves.
+
+Every variant records how many casts ComfyUI really ran in one call (``casts_per_call``, counted
+under the memo): 2 (fc1, fc2) for the unpatched forward and for the pack's chunked one.
 
 Per (mode, S, variant): CUDA-event time (median of ``--reps`` after warm-up, variants
 interleaved), once from an idle GPU and once queued behind ~30 ms of GPU work (the host-side
@@ -62,6 +70,13 @@ def build(mode: str):
     import comfy.ops
     from comfy.ldm.minimax.model import MLP
     gen = torch.Generator().manual_seed(11)
+    if mode == "lowvram_bf16":
+        m = MLP(HIDDEN, FFN, dtype=torch.bfloat16, device="cpu", operations=comfy.ops.manual_cast)
+        for lin in (m.fc1, m.fc2):
+            w = torch.randn(lin.out_features, lin.in_features, generator=gen) * lin.in_features ** -0.5
+            lin.weight = torch.nn.Parameter(w.to(torch.bfloat16).pin_memory() if DEV == "cuda"
+                                            else w.to(torch.bfloat16), requires_grad=False)
+        return m
     if mode == "bf16":
         m = MLP(HIDDEN, FFN, dtype=torch.bfloat16, device=DEV, operations=comfy.ops.disable_weight_init)
         for lin in (m.fc1, m.fc2):
@@ -79,6 +94,26 @@ def build(mode: str):
     if layout is None:
         raise RuntimeError(f"{mode}: ComfyUI did not load a quantised weight")
     return m
+
+
+class CastCount:
+    """ComfyUI's real casts: a counter put under the pack's memo (installed after it)."""
+
+    def __init__(self):
+        import comfy.ops
+        self.n = 0
+        real = comfy.ops.cast_bias_weight
+
+        def counted(*a, **k):
+            self.n += 1
+            return real(*a, **k)
+        comfy.ops.cast_bias_weight = counted
+
+    def of(self, fn) -> int:
+        n0 = self.n
+        o = fn()
+        del o
+        return self.n - n0
 
 
 def peak_extra(fn) -> int:
@@ -102,7 +137,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--comfy", default=os.environ.get("COMFYUI_PATH"))
     ap.add_argument("--out")
-    ap.add_argument("--modes", default="fp8,bf16,int8")
+    ap.add_argument("--modes", default="fp8,bf16,int8,lowvram_bf16")
     ap.add_argument("--sizes", default="38000,99866,169000")
     ap.add_argument("--chunks", default="auto,16384", help="chunk settings of the patched variants")
     ap.add_argument("--reps", type=int, default=7)
@@ -119,7 +154,10 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("gpu_mlp_comfy: needs a CUDA GPU")
     import comfy.model_management  # noqa: F401  (GPU init as ComfyUI does)
-    from safe_ops import mlp, mlp_plan
+    from safe_ops import mlp, mlp_comfy, mlp_plan
+    casts = CastCount()
+    if not mlp_comfy.install():
+        sys.exit("gpu_mlp_comfy: this ComfyUI has no comfy.ops.cast_bias_weight/uncast_bias_weight")
     import importlib.metadata as md
     res = {"bench": "h3_mlp_comfy_ops", "command": "python3 " + " ".join(sys.argv),
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
@@ -147,13 +185,18 @@ def main():
                     for c in chunks:
                         fns[f"chunked:{c}"] = (lambda c=c: mlp.h3_mlp_forward(m, x, mlp_plan.parse_chunk_setting(c),
                                                                               stats=stats))
+                    if mode.startswith("lowvram"):
+                        c0 = mlp_plan.resolve_chunk(mlp_plan.parse_chunk_setting(chunks[0]), S, HIDDEN, FFN,
+                                                    x.dtype, x.device, None)
+                        fns["per_chunk"] = lambda c0=c0: mlp.run_chunked(lambda xc: type(m).forward(m, xc), x, c0)
                     ref = fns["unpatched"]()
                     rows = {}
                     for name, fn in fns.items():
                         o = fn()
                         d = (o.float() - ref.float()).abs().max().item()
                         rows[name] = {"mode": mode, "S": S, "variant": name, "bitwise_equal": bool(torch.equal(o, ref)),
-                                      "max_abs_diff": d, "peak_extra_bytes": peak_extra(fn)}
+                                      "max_abs_diff": d, "peak_extra_bytes": peak_extra(fn),
+                                      "casts_per_call": casts.of(fn)}
                         del o
                     del ref
                     stats.reset()
@@ -165,7 +208,8 @@ def main():
                         r["ratio_vs_unpatched"] = t[name] / t["unpatched"]
                         r["time_ms_queued"] = tq[name]
                         r["ratio_vs_unpatched_queued"] = tq[name] / tq["unpatched"]
-                        if name != "unpatched":
+                        r["peak_vs_unpatched"] = r["peak_extra_bytes"] / max(rows["unpatched"]["peak_extra_bytes"], 1)
+                        if name.startswith("chunked:"):
                             c = mlp_plan.parse_chunk_setting(name.split(":", 1)[1])
                             r["chunk_tokens"] = mlp_plan.resolve_chunk(c, S, HIDDEN, FFN, x.dtype, x.device, None)
                         res["runs"].append(r)

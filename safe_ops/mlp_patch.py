@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .fences import GLOBAL_FENCES, FenceBook
+from . import mlp_comfy
 from .h3 import H3_MLP_CLASS, H3_MODEL_MODULE, find_h3_mlps, is_h3_model
 from .mlp import MLP_STATS, MlpStats, h3_mlp_forward
 from .mlp_plan import parse_chunk_setting
@@ -23,42 +23,20 @@ class H3ChunkedMLPForward:
 
     _safesage_mlp = True
 
-    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any,
-                 fences: FenceBook | None, stats: MlpStats = MLP_STATS):
+    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any, stats: MlpStats = MLP_STATS):
         self.module = module
         self.path = path
         self.chunk_setting = parse_chunk_setting(chunk_setting)
-        self.fences = fences
         self.stats = stats
 
     def __call__(self, x, *args, **kwargs):
         if args or kwargs:   # not the H3 signature: never guess
             self.stats.fallback("unexpected MLP.forward arguments")
             return type(self.module).forward(self.module, x, *args, **kwargs)
-        return h3_mlp_forward(self.module, x, self.chunk_setting, self.fences, self.stats)
+        return h3_mlp_forward(self.module, x, self.chunk_setting, self.stats)
 
     def __repr__(self):
         return f"H3ChunkedMLPForward({self.path}, chunk={self.chunk_setting!r})"
-
-
-# The one-line MLP.forward that h3_mlp_forward reproduces (0dd9b154's comfy/ldm/minimax/model.py),
-# compiled by this Python, so it compares like for like. Never called (``comfy`` is deliberately
-# not imported here); no docstring, because a docstring would be part of its co_consts.
-def _mirrored_forward(self, x):  # pragma: no cover
-    return comfy.ops.linear_input_act(self.fc2, self.fc1(x), 'swiglu')  # noqa: F821
-
-
-_MIRRORED_FORWARD = _mirrored_forward.__code__
-
-
-def _forward_is_mirrored(cls: type) -> bool:
-    """True when ``cls.forward`` compiles to exactly that form (a later ComfyUI that adds a
-    residual, a norm, another activation or a docstring is not patched)."""
-    code = getattr(getattr(cls, "forward", None), "__code__", None)
-    ref = _MIRRORED_FORWARD
-    return (code is not None and code.co_code == ref.co_code and code.co_names == ref.co_names
-            and code.co_varnames == ref.co_varnames and code.co_consts == ref.co_consts)
-
 
 
 def _own_bound_forward(fn: Any, module: Any) -> bool:
@@ -73,16 +51,17 @@ def _diffusion_model(model_patcher) -> Any:
     return getattr(model, "diffusion_model", None)
 
 
-def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
-                           fences: FenceBook | None = GLOBAL_FENCES) -> dict:
-    """Object-patch every H3 MLP forward of ``model_patcher`` with the chunked forward.
+def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto") -> dict:
+    """Object-patch every H3 MLP forward of ``model_patcher`` with the chunked forward, and wrap
+    ComfyUI's cast once (mlp_comfy.install) so that each Linear is cast once per chunked call.
 
-    Returns ``{"patched": n, "skipped": reason or None, "conflicts": [...]}``.
+    Returns ``{"patched": n, "skipped": reason or None, "conflicts": [...], "removed": n,
+    "cast_once": bool}``.
     Idempotent: our own patch on a key is replaced (new setting), never wrapped.  A
     foreign object patch on a key is left in place and listed in ``conflicts``.
     ``chunk_setting == "off"`` removes this module's patches (patched 0).
     """
-    result = {"patched": 0, "skipped": None, "conflicts": [], "removed": 0}
+    result = {"patched": 0, "skipped": None, "conflicts": [], "removed": 0, "cast_once": False}
     setting = parse_chunk_setting(chunk_setting)
     dm = _diffusion_model(model_patcher)
     if dm is None:
@@ -108,11 +87,11 @@ def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
                                     "existing": repr(cls_fwd)[:200]})
         result["skipped"] = "MLP.forward replaced on the class by another pack"
         return result
-    if setting != "off" and not _forward_is_mirrored(type(mlps[0][1])):
-        result["skipped"] = ("this ComfyUI's MiniMax H3 MLP.forward is not the "
-                             "linear_input_act(fc2, fc1(x), 'swiglu') form SafeSage reproduces")
-        log.warning("SafeSage MLP: H3 MLPs not patched: %s", result["skipped"])
-        return result
+    if setting != "off":
+        result["cast_once"] = mlp_comfy.install()
+        if not result["cast_once"]:
+            log.warning("SafeSage MLP: this ComfyUI has no comfy.ops.cast_bias_weight/uncast_bias_weight: "
+                        "H3 MLP chunks cast their weights once per chunk")
 
     for path, module in mlps:
         key = f"diffusion_model.{path}.forward"
@@ -132,7 +111,7 @@ def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto",
             result["conflicts"].append({"key": key, "kind": "instance_forward",
                                         "existing": repr(inst)[:200]})
             continue
-        add(key, H3ChunkedMLPForward(module, path, setting, fences))
+        add(key, H3ChunkedMLPForward(module, path, setting))
         result["patched"] += 1
 
     if setting == "off":

@@ -94,7 +94,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
 
     # Always called: with "off" it removes MLP patches an earlier SafeSage node left on this model.
     setting: Any = policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking
-    mlp_summary = install_h3_mlp_patches(m, setting, fences=GLOBAL_FENCES)
+    mlp_summary = install_h3_mlp_patches(m, setting)
     if policy.mlp_chunking == "off":
         mlp_summary["skipped"] = "MLP chunking off" + (f" (removed {mlp_summary['removed']} earlier patches)"
                                                        if mlp_summary.get("removed") else "")
