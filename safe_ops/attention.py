@@ -1,11 +1,16 @@
-"""The ``optimized_attention_override`` callable: normalise → plan → run → fence → verify → count.
+"""The ``optimized_attention_override`` callable: normalise → choose → run → verify → count.
 
 ComfyUI calls ``transformer_options["optimized_attention_override"](func, q, k, v,
 heads, mask=None, attn_precision=None, skip_reshape=False,
 skip_output_reshape=False, **kwargs)`` for every attention call (``wrap_attn``
 in ``comfy/ldm/modules/attention.py``); ``func`` is the attention function
-ComfyUI would have run. :class:`SafeAttention` replaces that call with one
-whose every launch is inside the envelope of the kernel that executes it.
+ComfyUI would have run. :class:`SafeAttention` gives a call to a guarded kernel (sage or
+comfy-kitchen, every launch inside the envelope of the kernel that executes it, executor.py)
+when its plan says so; every other call -- SDPA plans, masks, calls it cannot read, fallbacks
+after a failure -- runs exactly what ComfyUI would have run, with the caller's arguments:
+the override that was on the model before SafeSage (``previous``, chained), else ``func`` --
+except that an unguarded sage / comfy-kitchen function is replaced by ComfyUI's own
+``attention_pytorch`` (comfy_call.comfy_function).
 """
 from __future__ import annotations
 
@@ -17,15 +22,16 @@ import torch
 
 from . import report
 from .budget import BudgetReader
-from .comfy_call import Normalised, UnsupportedCall, _desc, _dtype_name, normalise
-from .envelope import AttnCall
+from .comfy_call import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
+                         unguarded_kind)
+from .envelope import FAMILIES, AttnCall, check
 from .executor import Executor, is_cuda_error, is_oom
 from .fences import GLOBAL_FENCES, FenceBook
 from .kernels import SDPA_KERNEL, Kernel, installed_kernels
-from .planner import Plan, choose, sdpa_plan
+from .planner import Plan, choose
 from .policy import Policy
 from .probe import Verifier, class_key, compare
-from .runtime import Runtime, auto_order, comfy_attention_choice, pricing_tflops, runtime
+from .runtime import Runtime, auto_order, comfy_attention_choice, family_kind, pricing_tflops, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -45,11 +51,22 @@ class _Prepared:
 
 
 class SafeAttention:
-    """Callable installed as ``transformer_options["optimized_attention_override"]``."""
+    """Callable installed as ``transformer_options["optimized_attention_override"]``.
+
+    ``previous``: an override that was already on the model (another pack's, core's
+    ``ModelAttentionBackend``); it runs, in place of ComfyUI's ``func``, every call SafeSage does
+    not give to a guarded kernel -- unless it would run an unguarded sage / comfy-kitchen kernel
+    on a call outside that kernel's limits, where SafeSage runs ComfyUI's ``attention_pytorch``
+    and says so once. ``layer_functions``: block index -> the attention function a layer asked
+    ComfyUI for (newer ComfyUI's per-layer ``comfy_attention``, which ComfyUI does not pass to an
+    override); such a layer's calls are treated as if ComfyUI had handed that function."""
+
+    _safesage_guarded = True
 
     def __init__(self, policy: Policy = Policy(), kernels: list[Kernel] | None = None,
                  fences: FenceBook = GLOBAL_FENCES, verifier: Verifier | None = None,
-                 rt: Runtime | None = None):
+                 rt: Runtime | None = None, previous: Callable | None = None,
+                 layer_functions: dict | None = None):
         self.policy = policy
         self.rt = rt or runtime()
         self.fences = fences
@@ -58,7 +75,12 @@ class SafeAttention:
             kernels = installed_kernels(self.rt)
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
+        self.previous = previous
+        self.previous_kind = unguarded_kind(previous)       # "sage" / "ck" / None
+        self.layer_functions = {k: getattr(f, "__wrapped__", f) for k, f in (layer_functions or {}).items()}
+        self._layer_fn_ids = {id(f) for f in self.layer_functions.values()}
         self._prepared: dict[tuple, _Prepared] = {}
+        self._comfy_fns: dict[int, tuple] = {}      # id(func) -> (func, what runs in its place)
         self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
         self._budget_reader = BudgetReader()
         self.executor = Executor(self.kernels, fences, policy.debug_sync)
@@ -70,23 +92,31 @@ class SafeAttention:
 
     # ---------------------------------------------------------------- choice
     def candidates(self, func: Callable | None, comfy_wants_sage: bool | None = None) -> list[str]:
-        """Kernel families in preference order for this policy (sdpa always last resort).
+        """Kernel families in preference order for this policy (sdpa -- ComfyUI's own -- last).
 
-        ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default read from
-        the name of the attention function ComfyUI handed to the override (sage, comfy-kitchen
-        or neither), or from ComfyUI's flags when ``func`` is None (runtime.comfy_attention_choice).
+        ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default what would run
+        without SafeSage: the override SafeSage chained, else the attention function ComfyUI
+        handed to the override (sage, comfy-kitchen or neither), else ComfyUI's flags when
+        ``func`` is None (runtime.comfy_attention_choice).
         """
         sage = [f for f in self.kernels if f != "sdpa"]
         if self.policy.kernel == "sdpa":
             return ["sdpa"]
+        if func is not None and id(func) in self._layer_fn_ids:
+            # a layer asked ComfyUI for this function: its kernel (guarded) or ComfyUI's own
+            kind = unguarded_kind(func)
+            return [f for f in sage if family_kind(f) == kind] + ["sdpa"]
         if self.policy.kernel == "sage":
             return sage + ["sdpa"]
         # Measured GPU: by measurement; unmeasured: what ComfyUI was configured to run.
         if comfy_wants_sage is not None:
             choice = "sage" if comfy_wants_sage else None
+        elif self.previous is not None:
+            choice = self.previous_kind
+        elif func is not None:
+            choice = unguarded_kind(func)
         else:
-            # ComfyUI's function names it; without one, ComfyUI's flags do (if it is loaded)
-            choice = comfy_attention_choice(getattr(func, "__name__", "") if func is not None else None)
+            choice = comfy_attention_choice(None)
         return auto_order(self.rt.arch_name, sage, choice)[0]
 
     def _budget(self, device: torch.device) -> int | None:
@@ -120,54 +150,105 @@ class SafeAttention:
     # --------------------------------------------------------------- calling
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
         report.count("attention_calls")
+        if self.layer_functions:
+            func = self._layer_function(kwargs, func)
         try:
             n = normalise(args, kwargs)
         except UnsupportedCall as e:
-            report.fallback(f"unsupported call passed to ComfyUI's {getattr(func, '__name__', 'attention')}: {e}")
-            return func(*args, **kwargs)
-        return n.finish(self.attend(n, func))
+            report.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
+            return self._run_comfy(func, args, kwargs, None)
+        out = self.attend(n, func)
+        if out is None:
+            return self._run_comfy(func, args, kwargs, n)
+        return n.finish(out)
 
-    def attend(self, n: Normalised, func: Callable | None = None) -> torch.Tensor:
-        """Plan (cached per call signature), run, and verify the first call of each class."""
+    def _layer_function(self, kwargs: dict, func: Callable) -> Callable:
+        to = kwargs.get("transformer_options") or {}
+        f = self.layer_functions.get(to.get("block_index"))
+        return func if f is None else f
+
+    def _what_comfy_runs(self, func: Callable | None) -> Callable | None:
+        """ComfyUI's ``func``, or ComfyUI's attention_pytorch when ``func`` is unguarded sage/kitchen."""
+        hit = self._comfy_fns.get(id(func))
+        if hit is None or hit[0] is not func:
+            hit = self._comfy_fns[id(func)] = (func, comfy_function(func))
+        return hit[1]
+
+    def _run_comfy(self, func: Callable, args: tuple, kwargs: dict, n: Normalised | None) -> Any:
+        """A call no guarded kernel takes: the chained override, else what ComfyUI would run."""
+        if self.previous is not None and not self._previous_unsafe(n, func):
+            return self.previous(func, *args, **kwargs)
+        return self._what_comfy_runs(func)(*args, **kwargs)
+
+    def _previous_unsafe(self, n: Normalised | None, func: Callable) -> bool:
+        """The chained override runs an unguarded sage / comfy-kitchen kernel, and this call is
+        outside that kernel's limits (the installed family's envelope): then SafeSage decides."""
+        kind = self.previous_kind
+        if kind is None or n is None:
+            return False
+        fam = self.rt.sage_family if kind == "sage" else self.rt.ck_family
+        env = FAMILIES.get(fam) if fam else None
+        if env is None:
+            return False            # no such kernel usable here: nothing of its limits to judge
+        call = self._describe(n)
+        viol = check(call, env)
+        if not viol:
+            return False
+        report.count("previous_overruled")
+        report.once(("previous-unsafe", fam, _shape_key(call, n)), logging.WARNING,
+                    "SafeSage: the attention override before it (%s) would run %s unguarded on %s, outside its "
+                    "limits (%s); SafeSage runs %s for this call instead", function_name(self.previous), fam,
+                    _shape_key(call, n), "; ".join(str(v) for v in viol[:2]),
+                    function_name(self._what_comfy_runs(func)))
+        return True
+
+    def attend(self, n: Normalised, func: Callable | None = None) -> torch.Tensor | None:
+        """Plan (cached per call signature), run a guarded kernel, verify the first call of each
+        class. None: no guarded kernel takes this call (the caller runs ComfyUI's own)."""
         q, k, v = n.q, n.k, n.v
         if q.shape[2] == 0:
             report.count("plan:empty")
-            return q.new_empty(q.shape)
+            return None
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-               n.caller_layout, n.mask is None, getattr(func, "__name__", ""), n.low_precision_ok)
+               n.caller_layout, n.mask is None, id(func), n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
             p = self._prepared[key] = self._prepare(n, func)
         plan = self._within_budget(p, q.device)
         report.STATS[p.count_key if plan is p.plan else f"plan:{plan.kind}"] += 1
-        if plan.kind == "sdpa" and plan.reasons:       # SDPA because no sage plan could run it
-            report.fallback("; ".join(plan.reasons), p.shape_key)
+        if plan.kind == "sdpa":
+            if plan.reasons:       # not a guarded kernel because none could run it
+                report.fallback("; ".join(plan.reasons), p.shape_key)
+            return None
         try:
             out = self.executor.run(plan, n)
         except Exception as e:
-            if plan.kernel == "sdpa" or is_cuda_error(e):
+            if is_cuda_error(e):
                 raise          # sticky and asynchronous: nothing can be recomputed after it
             if is_oom(e):
-                # not the kernel's fault: this call only goes to SDPA (no large temporaries)
+                # not the kernel's fault: this call only goes to ComfyUI's (no large temporaries)
                 log.warning("SafeSage: %s ran out of memory: %s", plan.kernel, e)
-                return self._fall_back(p, plan, n, f"{plan.kernel} ran out of memory (plan: "
+                return self._fall_back(p, plan, f"{plan.kernel} ran out of memory (plan: "
                                        f"{plan.describe(False)})", scope="call")
             # A sage build that imports but raises when called (a missing sm90 extension, a
-            # build for another GPU) has launched nothing: recompute with SDPA, drop the family.
-            return self._fall_back(p, plan, n, f"{plan.kernel} raised {type(e).__name__}: {e}", scope="family")
-        if plan.kernel != "sdpa":
-            ck = p.class_keys.get(plan.kernel)
-            if ck is None:
-                ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
-            if self.verifier.needs_probe(ck):
-                out = self._verify(p, plan, ck, n, out)
+            # build for another GPU) has launched nothing: recompute, drop the family.
+            return self._fall_back(p, plan, f"{plan.kernel} raised {type(e).__name__}: {e}", scope="family")
+        ck = p.class_keys.get(plan.kernel)
+        if ck is None:
+            ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
+        if self.verifier.needs_probe(ck):
+            out = self._verify(p, plan, ck, n, out)
         return out
+
+    def _describe(self, n: Normalised) -> AttnCall:
+        q, k, v = n.q, n.k, n.v
+        return AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
+                        n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
 
     def _prepare(self, n: Normalised, func: Callable | None) -> "_Prepared":
         """The slow path, once per call signature: describe the call, choose the plan."""
-        q, k, v = n.q, n.k, n.v
-        call = AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
-                        n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
+        q = n.q
+        call = self._describe(n)
         cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
         cand = [f for f in cand if f == "sdpa" or not (f in self.broken or
@@ -177,7 +258,7 @@ class SafeAttention:
         # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
         tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name)
         plan = choose(call, envelopes, budget, tflops)
-        shape_key = f"{call.dtype} q{tuple(q.shape)} k{tuple(k.shape)} {call.layout}"
+        shape_key = _shape_key(call, n)
         report.remember_plan(shape_key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
         envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
@@ -197,12 +278,13 @@ class SafeAttention:
         if verdict.ok:
             return out
         report.count("probe_failures")
-        return self._fall_back(p, plan, n, f"{plan.kernel} failed verification ({verdict.detail})")
+        return self._fall_back(p, plan, f"{plan.kernel} failed verification ({verdict.detail})")
 
-    def _fall_back(self, p: "_Prepared", plan: Plan, n: Normalised, why: str, scope: str = "class") -> torch.Tensor:
-        """Recompute this call with SDPA. ``scope``: "class" (failed probe: the verifier keeps the
-        family off this class of call), "family" (raised at call time: off every call in this
-        process), "call" (out of memory: this call only)."""
+    def _fall_back(self, p: "_Prepared", plan: Plan, why: str, scope: str = "class") -> None:
+        """This call goes to ComfyUI's own attention (returns None for the caller to run it).
+        ``scope``: "class" (failed probe: the verifier keeps the family off this class of call),
+        "family" (raised at call time: off every call in this process), "call" (out of memory:
+        this call only)."""
         fam = plan.kernel
         if scope == "family":
             self.broken[fam] = why
@@ -210,13 +292,18 @@ class SafeAttention:
         if scope == "call":
             report.count("oom_fallbacks")
             report.once(("kernel-oom", fam, p.shape_key), logging.WARNING,
-                        "SafeSage: %s for %s; this call is recomputed with PyTorch SDPA.", why, p.shape_key)
+                        "SafeSage: %s for %s; this call is recomputed with ComfyUI's own attention.", why,
+                        p.shape_key)
         else:
             report.once(("kernel-failed", fam, p.class_keys.get(fam)), logging.ERROR,
-                        "SafeSage: %s for %s; recomputing with PyTorch SDPA and not using %s again for "
+                        "SafeSage: %s for %s; recomputing with ComfyUI's own attention and not using %s again for "
                         "%s in this process.", why, p.shape_key, fam,
                         "any call" if scope == "family" else "this class of call")
             self._prepared.clear()
         report.fallback(why, p.shape_key)
-        return self.executor.run(sdpa_plan(p.call, (why,)), n)
+        return None
+
+
+def _shape_key(call: AttnCall, n: Normalised) -> str:
+    return f"{call.dtype} q{tuple(n.q.shape)} k{tuple(n.k.shape)} {call.layout}"
 

@@ -3,8 +3,10 @@
 ComfyUI is imported lazily and every hook is looked up with ``getattr`` so the
 pack loads on ComfyUI 0.3.75 (no MiniMax H3, no dynamic VRAM) and on 0dd9b154+.
 Idempotent: applying twice (or to a clone of a patched model) replaces the
-pack's own hooks under fixed keys; another pack's attention override is
-reported, not silently dropped.
+pack's own hooks under fixed keys. An attention override already on the model (another
+pack's, core's ``ModelAttentionBackend``) is chained, not replaced: it runs every call
+SafeSage does not give to a guarded kernel. Layers that ask ComfyUI for their own attention
+function (newer ComfyUI's per-module ``comfy_attention``) are read here and reported.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 
 from . import report
 from .attention import SafeAttention
+from .comfy_call import function_name, unguarded_kind
 from .fences import GLOBAL_FENCES
 from .mlp_patch import install_h3_mlp_patches
 from .policy import Policy
@@ -47,6 +50,43 @@ def _drain_wrapper(executor, *args, **kwargs):
         report.count("sampling_runs")
 
 
+def _diffusion_model(model_patcher) -> Any:
+    return getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+
+
+def layer_attention_functions(diffusion_model: Any) -> tuple[dict, list[str]]:
+    """Which layers ask ComfyUI for an attention function of their own (newer ComfyUI: a module's
+    ``comfy_attention.function``, set from the checkpoint or a LoRA; ``wrap_attn`` drops that
+    preference before an override sees the call). Returns {block index: function} for the
+    layers whose calls carry ``transformer_options["block_index"]`` (``blocks.<i>.``), and the
+    status lines: which layers asked for what, and those whose calls cannot be told apart."""
+    if diffusion_model is None or not hasattr(diffusion_model, "named_modules"):
+        return {}, []
+    by_block: dict = {}
+    asked: dict[str, tuple] = {}          # function name -> (function, [layer paths])
+    untold: list[str] = []
+    for path, mod in diffusion_model.named_modules():
+        fn = getattr(getattr(mod, "comfy_attention", None), "function", None)
+        if fn is None:
+            continue
+        asked.setdefault(function_name(fn), (fn, []))[1].append(path)
+        parts = path.split(".")
+        if len(parts) > 1 and parts[0] == "blocks" and parts[1].isdigit():
+            by_block[int(parts[1])] = fn
+        else:
+            untold.append(path)
+    lines = []
+    for name, (fn, paths) in asked.items():
+        kind = unguarded_kind(fn)
+        lines.append(f"{len(paths)} layer(s) ask for {name} ({', '.join(paths[:4])}{', ...' if len(paths) > 4 else ''}): "
+                     + (f"SafeSage runs its {kind} kernel guarded for them, or ComfyUI's attention_pytorch where it "
+                        "cannot" if kind else "SafeSage runs that function for them"))
+    if untold:
+        lines.append(f"WARNING: {len(untold)} layer(s) ask for their own attention but their calls carry no block "
+                     f"index ({', '.join(untold[:4])}): SafeSage cannot tell them apart and treats them like the rest")
+    return by_block, lines
+
+
 # wrapper type (name in comfy.patcher_extension.WrappersMP) -> wrapper
 WRAPPERS = {"DIFFUSION_MODEL": _poll_wrapper, "OUTER_SAMPLE": _drain_wrapper}
 
@@ -60,16 +100,23 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         raise SafeSageError(
             f"kernel='sage' was chosen but SageAttention cannot run here: {rt.sage_error}. "
             "Install a sageattention build that matches your torch/CUDA (see the pack README), "
-            "or set kernel to 'auto' (uses SageAttention when it is usable, else PyTorch SDPA).")
+            "or set kernel to 'auto' (uses SageAttention when it is usable, else ComfyUI's own attention).")
 
     m = model_patcher.clone()
     to = m.model_options.setdefault("transformer_options", {})
     prev = to.get(OVERRIDE_KEY)
-    if prev is not None and not isinstance(prev, SafeAttention):
-        warnings.append(f"replaced another attention override ({getattr(prev, '__qualname__', prev)!r}); "
-                        "put SafeSage after that node only if you want SafeSage to decide attention")
-    attn = SafeAttention(policy, fences=GLOBAL_FENCES, rt=rt)
+    if isinstance(prev, SafeAttention):       # an earlier SafeSage node: replaced, its chain kept
+        prev = prev.previous
+    layer_fns, layer_lines = layer_attention_functions(_diffusion_model(m))
+    attn = SafeAttention(policy, fences=GLOBAL_FENCES, rt=rt, previous=prev, layer_functions=layer_fns)
     to[OVERRIDE_KEY] = attn
+    if prev is not None:
+        kind = attn.previous_kind
+        lines.append(f"chained after the attention override already on the model ({function_name(prev)}): it runs "
+                     "every call SafeSage does not give to a guarded kernel"
+                     + (f"; it runs {kind} unguarded, so calls outside that kernel's limits go to ComfyUI's "
+                        "attention_pytorch instead" if kind else ""))
+    lines += layer_lines
 
     # Poll fences after every diffusion-model forward and drain them when sampling ends
     # (idempotent: removed, then added under a fixed key).
@@ -108,7 +155,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     lines.append(explain_auto(rt, [f for f in attn.kernels if f != "sdpa"], None, policy.kernel))
     if rt.sage_family is None and policy.kernel == "auto":
         lines.append(f"SageAttention not used: {rt.sage_error}"
-                     + ("; attention runs on PyTorch SDPA" if cand[0] == "sdpa" else ""))
+                     + ("; attention runs ComfyUI's own function" if cand[0] == "sdpa" else ""))
     lines.append(f"verify: {policy.verify}; debug_sync: {'on' if policy.debug_sync else 'off'}")
     if mlp_summary.get("patched"):
         lines.append(f"H3 MLPs patched: {mlp_summary['patched']} (chunking {policy.mlp_chunking})")

@@ -67,7 +67,11 @@ class Plan:
         return self.extra_bytes + self.kernel_temp_bytes
 
     def describe(self, reasons: bool = True) -> str:
-        parts = [f"{self.kind} on {self.kernel} ({self.layout})"]
+        if self.kind == "sdpa":
+            # no guarded kernel: the call runs what ComfyUI would run (attention.SafeAttention)
+            parts = ["sdpa: ComfyUI's own attention (no guarded kernel)"]
+        else:
+            parts = [f"{self.kind} on {self.kernel} ({self.layout})"]
         if self.repack:
             parts.append("repack " + "/".join(self.repack) + f" to contiguous {self.layout}")
         if self.head_group:

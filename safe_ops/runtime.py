@@ -224,7 +224,8 @@ def comfy_attention_choice(func_name: str | None = None) -> str | None:
     return None
 
 
-def _kind(family: str) -> str:
+def family_kind(family: str) -> str:
+    """"ck" (comfy-kitchen), "sdpa" or "sage": the kind of kernel a family is."""
     return "ck" if family.startswith("ck_") else "sdpa" if family == "sdpa" else "sage"
 
 
@@ -245,7 +246,7 @@ def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) ->
                + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
                + "; safe_ops/kernel_table.json)")
         return order, why
-    wanted = [f for f in families if comfy_choice is not None and _kind(f) == comfy_choice]
+    wanted = [f for f in families if comfy_choice is not None and family_kind(f) == comfy_choice]
     others = [f for f in families if f not in wanted]
     if wanted:
         flag = {"sage": "--use-sage-attention", "ck": "--use-ck-attention"}[comfy_choice]
@@ -267,17 +268,19 @@ def explain_auto(rt: Runtime, families: list[str], comfy_choice: str | None = No
     safely (those fallbacks are counted and logged separately), and on a measured GPU runs
     SDPA where it is cheaper than the preferred kernel's plan for that call (planner.choose)."""
     if kernel_policy == "sdpa":
-        return "kernel 'sdpa': PyTorch SDPA for every call, as asked"
+        return ("kernel 'sdpa': ComfyUI's own attention for every call, as asked (never SageAttention or INT8 "
+                "attention: PyTorch attention where ComfyUI is set to one)")
     if kernel_policy == "sage":
         if not families:
             return (f"kernel 'sage' asked, but no sage kernel is usable ({rt.sage_error}); "
-                    "every call runs PyTorch SDPA")
-        return f"kernel 'sage': {families[0]} first, as asked (SDPA only for calls it cannot run safely)"
+                    "every call runs ComfyUI's own attention")
+        return (f"kernel 'sage': {families[0]} first, as asked (ComfyUI's own attention only for calls it cannot "
+                "run safely)")
     if not families:
-        return (f"auto picked PyTorch SDPA because no sage-family kernel is usable here "
+        return (f"auto picked ComfyUI's own attention because no sage-family kernel is usable here "
                 f"(sageattention: {rt.sage_error}; comfy-kitchen: {rt.ck_error})")
     if comfy_choice is None:
         comfy_choice = comfy_attention_choice()
     order, why = auto_order(rt.arch_name, families, comfy_choice)
-    name = "PyTorch SDPA" if order[0] == "sdpa" else order[0]
+    name = "ComfyUI's own attention (PyTorch SDPA)" if order[0] == "sdpa" else order[0]
     return f"auto picked {name} because {why}"

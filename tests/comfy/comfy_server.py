@@ -74,9 +74,11 @@ def _free_port() -> int:
 class ComfyServer:
     """One ComfyUI server process and the HTTP helpers the tests use."""
 
-    def __init__(self, base: Path, custom_nodes: dict[str, Path], name: str = "comfy"):
+    def __init__(self, base: Path, custom_nodes: dict[str, Path], name: str = "comfy",
+                 extra_args: tuple = ()):
         self.base = Path(base)
         self.name = name
+        self.extra_args = list(extra_args)     # more ComfyUI flags, e.g. --use-split-cross-attention
         self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.url = ""
@@ -97,7 +99,7 @@ class ComfyServer:
     def _cmd(self, port: int) -> list[str]:
         cmd = [server_python(), "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
                "--disable-auto-launch", "--base-directory", str(self.base),
-               "--database-url", "sqlite:///:memory:", "--disable-api-nodes"]
+               "--database-url", "sqlite:///:memory:", "--disable-api-nodes"] + self.extra_args
         if not self._frontend_installed():
             cmd += ["--front-end-root", str(self.frontend_root)]
         return cmd
@@ -243,9 +245,10 @@ class ComfyServer:
 
 
 @contextmanager
-def running_pack_server(base: Path, name: str = "comfy"):
+def running_pack_server(base: Path, name: str = "comfy", extra_args: tuple = ()):
     """A started server with this pack and the test nodes in its custom_nodes; stopped on exit."""
-    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE / "test_nodes"}, name=name)
+    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE / "test_nodes"}, name=name,
+                         extra_args=extra_args)
     try:
         server.start()
         yield server

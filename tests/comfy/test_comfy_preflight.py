@@ -97,8 +97,8 @@ def test_preflight_takes_the_safesage_nodes_settings(comfy, tiny_sd2):
     assert "kernel policy: sdpa; mlp_chunking: tokens (4,096 tokens)" in text
     assert "MLP 4,096 tokens per chunk" in text
     runs = [l for l in text.splitlines() if "each attention call" in l]
-    assert runs and all("runs: sdpa on sdpa" in l for l in runs), runs
-    assert text.count("kernel choice: kernel 'sdpa': PyTorch SDPA for every call, as asked") == len(runs)
+    assert runs and all("runs: sdpa: ComfyUI's own attention" in l for l in runs), runs
+    assert text.count("kernel choice: kernel 'sdpa': ComfyUI's own attention for every call, as asked") == len(runs)
     # the SafeSage Attention node's own status carries the preflight pointer
     status = _text(entry, "10")
     assert status.startswith("SafeSage: ") and "SafeSage Preflight" in status

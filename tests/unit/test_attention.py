@@ -84,7 +84,37 @@ def h3_like(S, heads=4, d=16, dtype=torch.float32, seed=0):
 
 
 def raw(*a, **k):
-    raise AssertionError("ComfyUI's function must not be called for a supported call")
+    raise AssertionError("ComfyUI's function must not be called for a call a guarded kernel runs")
+
+
+class ComfyFunc:
+    """Stand-in for the attention function ComfyUI hands the override (attention_pytorch's
+    contract: [B,S,H*D] in and out, or [B,H,S,D] with skip_reshape / skip_output_reshape; GQA;
+    mask; scale): float64 attention, every call recorded with its keyword arguments."""
+
+    __name__ = "attention_pytorch"
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        self.calls.append(dict(kwargs, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape))
+        if skip_reshape:
+            qh, kh, vh = q, k, v
+        else:
+            d = q.shape[-1] // heads
+            qh, kh, vh = (t.unflatten(-1, (-1, d)).transpose(1, 2) for t in (q, k, v))
+        s = kwargs.get("scale", qh.shape[-1] ** -0.5)
+        qd, kd, vd = (t.double() for t in (qh, kh, vh))
+        if kd.shape[1] != qd.shape[1]:
+            r = qd.shape[1] // kd.shape[1]
+            kd, vd = kd.repeat_interleave(r, 1), vd.repeat_interleave(r, 1)
+        w = qd @ kd.transpose(-1, -2) * s
+        if mask is not None:
+            w = w + mask.double()
+        out = (torch.softmax(w, dim=-1) @ vd).to(q.dtype) if w.shape[-1] else qd.new_zeros(qd.shape).to(q.dtype)
+        return out if skip_output_reshape else out.transpose(1, 2).flatten(2)
 
 
 @pytest.fixture(autouse=True)
@@ -139,33 +169,36 @@ def test_gqa_and_cross_attention_and_scale():
 
 
 def test_mask_falls_back_to_sdpa_counted():
+    comfy = ComfyFunc()
     att, kern = make_attn()
     q, k, v = (torch.randn(1, 4, 30, 16) for _ in range(3))
     mask = torch.zeros(30, 30)
     mask[:, 20:] = -math.inf
-    out = att(raw, q, k, v, 4, mask=mask, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, mask=mask, skip_reshape=True, skip_output_reshape=True)
     w = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4 + mask.double(), -1)
     torch.testing.assert_close(out.double(), w @ v.double(), rtol=1e-5, atol=1e-5)
-    assert not kern.launches
+    assert not kern.launches and len(comfy.calls) == 1 and comfy.calls[0]["mask"] is mask
     assert report.STATS["fallbacks"] == 1 and "mask" in next(iter(report.FALLBACKS))
 
 
 def test_unsupported_head_dim_and_dtype_fall_back():
+    comfy = ComfyFunc()
     att, kern = make_attn()
     q, k, v = (torch.randn(1, 2, 30, 80) for _ in range(3))
-    out = att(raw, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     q, k, v = (torch.randn(1, 2, 30, 16, dtype=torch.float64) for _ in range(3))
-    att(raw, q, k, v, 2, skip_reshape=True)
-    assert not kern.launches and report.STATS["fallbacks"] == 2
+    att(comfy, q, k, v, 2, skip_reshape=True)
+    assert not kern.launches and report.STATS["fallbacks"] == 2 and len(comfy.calls) == 2
 
 
 def test_sdpa_policy_never_launches_sage():
+    comfy = ComfyFunc()
     att, kern = make_attn(policy=Policy(kernel="sdpa", verify="off"))
     q, k, v = h3_like(300)
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert not kern.launches and report.STATS["fallbacks"] == 0
+    assert not kern.launches and report.STATS["fallbacks"] == 0 and len(comfy.calls) == 1
 
 
 # ------------------------------------------------------------------- bad inputs
@@ -191,14 +224,15 @@ def test_bad_inputs_are_passed_to_comfy_counted(args, kwargs, why):
 
 
 def test_zero_length_queries_and_keys():
+    comfy = ComfyFunc()
     att, kern = make_attn()
     q = torch.randn(1, 4, 0, 16)
     k = v = torch.randn(1, 4, 10, 16)
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     assert out.shape == (1, 4, 0, 16)
     q2 = torch.randn(1, 4, 5, 16)
     k2 = v2 = torch.randn(1, 4, 0, 16)
-    out2 = att(raw, q2, k2, v2, 4, skip_reshape=True, skip_output_reshape=True)
+    out2 = att(comfy, q2, k2, v2, 4, skip_reshape=True, skip_output_reshape=True)
     assert out2.shape == (1, 4, 5, 16)   # softmax over nothing: whatever SDPA defines, no crash
 
 
@@ -219,18 +253,20 @@ def corrupt_tail(out):
 
 
 def test_probe_catches_broken_kernel_and_routes_away():
+    comfy = ComfyFunc()
     att, kern = make_attn(policy=Policy(kernel="sage", verify="first"), corrupt=corrupt_tail)
     q, k, v = (torch.randn(1, 4, 128, 16) for _ in range(3))
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert report.STATS["probe_failures"] == 1 and len(kern.launches) == 1
     # later calls of the same class skip the broken kernel without probing it again
-    att(raw, q, k, v, 4, skip_reshape=True)
+    att(comfy, q, k, v, 4, skip_reshape=True)
     assert len(kern.launches) == 1 and report.STATS["probes"] == 1
 
 
 def test_probe_catches_a_length_threshold():
     """A kernel wrong only above a length: caught at the first call of that size class."""
+    comfy = ComfyFunc()
     threshold = 5000
 
     def wrong_when_long(out):
@@ -240,7 +276,7 @@ def test_probe_catches_a_length_threshold():
                           policy=Policy(kernel="sage", verify="first"), corrupt=wrong_when_long)
     for S in (1000, 1000, 2000, 6000, 6000):
         q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
-        out = att(raw, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
+        out = att(comfy, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-4, atol=1e-4)
     assert report.STATS["probe_failures"] == 1
     assert report.STATS["probes"] == 2          # one size class below 4096, one above
@@ -287,16 +323,19 @@ def test_verifier_failed_class_stays_failed():
 
 def test_full_precision_request_is_honoured():
     """low_precision_attention=False (ComfyUI's contract) -> SDPA, not a quantised kernel."""
+    comfy = ComfyFunc()
     att, kern = make_attn()
     q, k, v = (torch.randn(1, 4, 30, 16) for _ in range(3))
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True, low_precision_attention=False)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True, low_precision_attention=False)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert not kern.launches and report.STATS["plan:sdpa"] == 1
-    att(raw, q, k, v, 4, skip_reshape=True)
+    assert comfy.calls[0]["low_precision_attention"] is False, "the caller's arguments reach ComfyUI untouched"
+    att(comfy, q, k, v, 4, skip_reshape=True)
     assert len(kern.launches) == 1
 
 
 def test_kernel_wrong_for_one_dtype_is_caught_for_that_class_only():
+    comfy = ComfyFunc()
     def wrong_in_fp16(out):
         return corrupt_tail(out) if out.dtype == torch.float16 else out
 
@@ -304,7 +343,7 @@ def test_kernel_wrong_for_one_dtype_is_caught_for_that_class_only():
                           policy=Policy(kernel="sage", verify="first"), corrupt=wrong_in_fp16)
     for dt in (torch.float32, torch.float16, torch.float16, torch.float32):
         q, k, v = (torch.randn(1, 2, 128, 16).to(dt) for _ in range(3))
-        out = att(raw, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
+        out = att(comfy, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=2e-3, atol=2e-3)
     assert report.STATS["probe_failures"] == 1 and report.STATS["probes"] == 2
     assert len(kern.launches) == 3     # fp32, fp16 (caught), fp32; the second fp16 call skipped sage
@@ -313,6 +352,7 @@ def test_kernel_wrong_for_one_dtype_is_caught_for_that_class_only():
 # ------------------------------------------------------- call-time errors, NaN, probe coverage
 def test_kernel_raising_at_call_time_falls_back_and_is_not_used_again(caplog):
     """A sage build that imports but raises when called (e.g. a missing sm90 extension)."""
+    comfy = ComfyFunc()
     env = toy_envelope()
     calls = []
 
@@ -322,13 +362,13 @@ def test_kernel_raising_at_call_time_falls_back_and_is_not_used_again(caplog):
 
     att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(env, raising, 0.05)], rt=CPU_RT)
     q, k, v = h3_like(100)
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert report.STATS["kernel_errors"] == 1 and report.STATS["fallbacks"] == 1
     assert "SM90 kernel is not available" in caplog.text and "toy_sage" in att.broken
     # another shape: the family is not tried again
     q2, k2, v2 = h3_like(60)
-    att(raw, q2, k2, v2, 4, skip_reshape=True)
+    att(comfy, q2, k2, v2, 4, skip_reshape=True)
     assert len(calls) == 1 and report.STATS["plan:sdpa"] == 1
 
 
@@ -346,6 +386,7 @@ def test_cuda_error_is_not_swallowed():
 
 def test_probe_checks_every_batch_element_middle_heads_and_tail_rows():
     """NaN in the last query row of a middle head of the second batch element fails the probe."""
+    comfy = ComfyFunc()
     def nan_in_tail(out):
         out = out.clone()
         out[1, 5, -1, 0] = float("nan")
@@ -354,7 +395,7 @@ def test_probe_checks_every_batch_element_middle_heads_and_tail_rows():
     att, kern = make_attn(env=toy_envelope(small_ints=False), policy=Policy(kernel="sage", verify="first"),
                           corrupt=nan_in_tail)
     q, k, v = (torch.randn(2, 8, 1000, 16) for _ in range(3))
-    out = att(raw, q, k, v, 8, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 8, skip_reshape=True, skip_output_reshape=True)
     assert report.STATS["probe_failures"] == 1
     assert torch.isfinite(out).all()          # the SDPA recomputation was returned
     assert any("non-finite output" in r for r in report.FALLBACKS)
@@ -429,6 +470,7 @@ def test_auto_prices_kv_chunks_against_sdpa(small_kv_chunks, monkeypatch, toy_tf
     """kernel=auto on a measured GPU: the toy family is measured faster than SDPA in-limit, but
     its kv_chunks plan pays its LSE kernel (x1.3 here): 2x faster still chunks, 5 % faster runs
     SDPA -- on purpose, so not counted as a fallback."""
+    comfy = ComfyFunc()
     from safe_ops import runtime as R
     table = {"archs": {"sm_120": {"tflops": {"toy_sage2": toy_tflops, "sdpa": 0.001}}}}
     monkeypatch.setattr(R, "kernel_table", lambda: table)
@@ -438,7 +480,7 @@ def test_auto_prices_kv_chunks_against_sdpa(small_kv_chunks, monkeypatch, toy_tf
     att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[Kernel(env, fn, 0.05, fn.lse)], rt=rt)
     assert att.candidates(None, comfy_wants_sage=False)[0] == "toy_sage2"     # measured faster in-limit
     q, k, v = h3_like(150, seed=3)
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
     assert report.STATS[f"plan:{want}"] == 1 and not report.FALLBACKS
@@ -495,13 +537,14 @@ def test_kv_chunks_combined_with_head_groups_and_bf16(small_kv_chunks):
 
 
 def test_kernel_without_lse_never_gets_kv_chunks(small_kv_chunks):
+    comfy = ComfyFunc()
     env = lse_envelope(100)
     fn = LseKernel(env)
     kern = Kernel(env, fn, 0.05)                          # no fn_lse: capability switched off
     assert not kern.envelope.returns_lse
     att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[kern], rt=CPU_RT)
     q, k, v = h3_like(150)
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert report.STATS["plan:sdpa"] == 1 and not fn.launches
 
@@ -564,7 +607,7 @@ def test_auto_order_and_explanation(monkeypatch):
     rt = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
     line = explain_auto(rt, fams, "ck")
     assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
-    assert explain_auto(rt, [], None).startswith("auto picked PyTorch SDPA because no sage-family")
+    assert explain_auto(rt, [], None).startswith("auto picked ComfyUI's own attention because no sage-family")
     from safe_ops import runtime as R
     table = {"archs": {"sm_120": {"tflops": {"sdpa": 300.0, "ck_int8": 500.0}}}}
     monkeypatch.setattr(R, "kernel_table", lambda: table)
@@ -636,20 +679,22 @@ def test_comfy_flags_name_the_configured_kernel(monkeypatch):
 def test_budget_replan_to_sdpa_is_a_counted_fallback_and_verifies_nothing():
     """When nothing of the family fits the budget any more, that call runs SDPA: counted as a
     fallback, and the kernel is not marked verified for a class it never ran."""
+    comfy = ComfyFunc()
     att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
     q, k, v = h3_like(700)
     budget = {"now": 0}                                # nothing fits
     att._budget = lambda dev: budget["now"]
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert not kern.launches and report.STATS["fallbacks"] == 1 and report.STATS["probes"] == 0
     assert any("memory budget" in r for r in report.FALLBACKS)
     budget["now"] = 10**12                             # memory is back: the kernel runs and is probed
-    att(raw, q, k, v, 4, skip_reshape=True)
+    att(comfy, q, k, v, 4, skip_reshape=True)
     assert kern.launches and report.STATS["probes"] == 1
 
 
 def test_out_of_memory_in_a_kernel_falls_back_for_that_call_only():
+    comfy = ComfyFunc()
     env = toy_envelope()
     fails = [True]
 
@@ -660,10 +705,10 @@ def test_out_of_memory_in_a_kernel_falls_back_for_that_call_only():
 
     att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(env, oom_once, 0.05)], rt=CPU_RT)
     q, k, v = h3_like(100)
-    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert report.STATS["oom_fallbacks"] == 1 and not att.broken
-    att(raw, q, k, v, 4, skip_reshape=True)             # the kernel is used again
+    att(comfy, q, k, v, 4, skip_reshape=True)             # the kernel is used again
     assert report.STATS["oom_fallbacks"] == 1 and report.STATS["fallbacks"] == 1
 
 
@@ -674,6 +719,7 @@ def test_out_of_memory_in_a_kernel_falls_back_for_that_call_only():
     ("CUDA error: unspecified launch failure", True),
 ])
 def test_only_sticky_cuda_errors_propagate(msg, sticky):
+    comfy = ComfyFunc()
     def failing(q, k, v, layout, scale):
         raise RuntimeError(msg)
 
@@ -681,9 +727,9 @@ def test_only_sticky_cuda_errors_propagate(msg, sticky):
     q, k, v = h3_like(100)
     if sticky:
         with pytest.raises(RuntimeError, match=msg.split(": ")[1]):
-            att(raw, q, k, v, 4, skip_reshape=True)
+            att(comfy, q, k, v, 4, skip_reshape=True)
     else:
-        out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
         assert "toy_sage" in att.broken and report.STATS["kernel_errors"] == 1
 

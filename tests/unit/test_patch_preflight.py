@@ -2,6 +2,7 @@
 import copy
 
 import pytest
+import torch
 
 from safe_ops import patch as patch_mod
 from safe_ops import report
@@ -66,7 +67,7 @@ def test_clone_not_mutated_and_override_installed():
     assert "optimized_attention_override" not in m.model_options["transformer_options"]
     assert isinstance(out.model_options["transformer_options"]["optimized_attention_override"], SafeAttention)
     assert "SageAttention not used: package not installed" in summary["text"]
-    assert "auto picked PyTorch SDPA because no sage-family kernel is usable" in summary["text"]
+    assert "auto picked ComfyUI's own attention because no sage-family kernel is usable" in summary["text"]
     assert summary["mlp"]["patched"] == 0 and summary["mlp"]["skipped"]
 
 
@@ -98,16 +99,27 @@ def test_fences_are_drained_when_sampling_ends_even_if_it_raises(monkeypatch):
     assert poll(lambda: "out") == "out" and drained == [1, 1]
 
 
-def test_foreign_override_is_reported():
+def test_an_override_already_on_the_model_is_chained_not_replaced():
     m = FakePatcher()
+    seen = []
 
     def someone_elses(func, *a, **k):
-        return func(*a, **k)
+        seen.append(func)
+        return "theirs"
 
     m.model_options["transformer_options"]["optimized_attention_override"] = someone_elses
-    _, s = patch_mod.apply_safesage(m)
-    assert any("someone_elses" in w for w in s["warnings"])
-    assert "WARNING" in s["text"]
+    p, s = patch_mod.apply_safesage(m)
+    att = p.model_options["transformer_options"]["optimized_attention_override"]
+    assert isinstance(att, SafeAttention) and att.previous is someone_elses and att.previous_kind is None
+    assert "chained after the attention override already on the model" in s["text"] and "someone_elses" in s["text"]
+    # a call no guarded kernel takes (no sage here) goes to it, with ComfyUI's func
+    q = torch.randn(1, 2, 8, 16)
+    func = lambda *a, **k: "comfy's"      # noqa: E731
+    assert att(func, q, q, q, 2, skip_reshape=True) == "theirs" and seen == [func]
+    # a second SafeSage node replaces the first, and keeps what the first had chained
+    p2, _ = patch_mod.apply_safesage(p)
+    att2 = p2.model_options["transformer_options"]["optimized_attention_override"]
+    assert att2 is not att and att2.previous is someone_elses
 
 
 def test_explicit_sage_without_sage_is_a_clear_error():
