@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import report
+from . import compiler, report
 from .budget import BudgetReader
 from .comfy_call import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
                          unguarded_kind)
@@ -47,8 +47,7 @@ class _Prepared:
     by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
     class_keys: dict                  # kernel family -> verifier class key of this call
     tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
-
-
+    run: tuple | None = None          # under ComfyUI's compiler: (run id, plan) kept for the run
 
 class SafeAttention:
     """Callable installed as ``transformer_options["optimized_attention_override"]``.
@@ -131,9 +130,21 @@ class SafeAttention:
         another bucket since the signature was planned, the same choice is made again for the
         new budget (cached per bucket), in either direction -- a sage plan that no longer fits
         becomes smaller launches or SDPA, an SDPA plan chosen under pressure becomes sage again.
-        A fixed budget (the policy's) never moves."""
+        A fixed budget (the policy's) never moves. Under ComfyUI's allocation compiler the plan
+        chosen at a signature's first call of a sampling run is kept for the whole run (another
+        plan on a later step would allocate differently: a graph break)."""
         if self.policy.max_extra_bytes is not None or not p.envelopes:
             return p.plan
+        if compiler.enabled(device):
+            run = compiler.run_id()
+            if p.run is not None and p.run[0] == run:
+                return p.run[1]
+            plan = self._by_budget(p, device)
+            p.run = (run, plan)
+            return plan
+        return self._by_budget(p, device)
+
+    def _by_budget(self, p: "_Prepared", device: torch.device) -> Plan:
         budget = self._budget(device)            # None off CUDA: no budget, nothing to re-check
         if budget is None:
             return p.plan
@@ -272,7 +283,9 @@ class SafeAttention:
                          call.q_len, call.kv_len)
 
     def _verify(self, p: "_Prepared", plan: Plan, ck: tuple, n: Normalised, out: torch.Tensor) -> torch.Tensor:
-        verdict = compare(out, n.q, n.k, n.v, n.scale, self.kernels[plan.kernel].tolerance)
+        # under ComfyUI's compiler: a first-step-only allocation would be a graph break on step 2
+        with compiler.paused():
+            verdict = compare(out, n.q, n.k, n.v, n.scale, self.kernels[plan.kernel].tolerance)
         self.verifier.record(ck, verdict)
         report.count("probes")
         if verdict.ok:
@@ -290,6 +303,7 @@ class SafeAttention:
             self.broken[fam] = why
             report.count("kernel_errors")
         if scope == "call":
+            p.run = None                 # under the compiler: choose again at the next call
             report.count("oom_fallbacks")
             report.once(("kernel-oom", fam, p.shape_key), logging.WARNING,
                         "SafeSage: %s for %s; this call is recomputed with ComfyUI's own attention.", why,

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import mlp_comfy
-from .mlp_plan import resolve_chunk
+from . import compiler, mlp_comfy
+from .mlp_plan import parse_chunk_setting, resolve_chunk
 
 log = logging.getLogger("SafeSage.mlp")
 
@@ -174,6 +174,25 @@ def row_dependent_reason(linear: Any) -> str | None:
     return f"{name} input quantisation may depend on all tokens"
 
 
+_RUN_CHUNKS: dict = {}      # (run id, call signature) -> tokens per chunk, under ComfyUI's compiler
+
+
+def chunk_for_call(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
+                   device: torch.device, budget_bytes: int | None = None) -> int:
+    """mlp_plan.resolve_chunk, except that under ComfyUI's allocation compiler an "auto" chunk size
+    is chosen at a signature's first call of a sampling run and kept for the run: "auto" follows
+    free memory, and another chunk size on a later step would allocate differently."""
+    if parse_chunk_setting(chunk_setting) != "auto" or budget_bytes is not None or not compiler.enabled(device):
+        return resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
+    key = (compiler.run_id(), S, hidden, ffn, dtype, device)
+    c = _RUN_CHUNKS.get(key)
+    if c is None:
+        if len(_RUN_CHUNKS) > 256:
+            _RUN_CHUNKS.clear()
+        c = _RUN_CHUNKS[key] = resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
+    return c
+
+
 def _mlp_dims(module) -> tuple[int, int]:
     fc1, fc2 = module.fc1, module.fc2
     hidden = getattr(fc1, "in_features", None) or fc1.weight.shape[-1]
@@ -199,7 +218,7 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
         stats.fallback("comfy in_training")
         return _unpatched(module, x)
     hidden, ffn = _mlp_dims(module)
-    c = resolve_chunk(chunk_setting, S, hidden, ffn, x.dtype, x.device, budget_bytes)
+    c = chunk_for_call(chunk_setting, S, hidden, ffn, x.dtype, x.device, budget_bytes)
     if c >= S:
         stats.bump("passthrough")
         return _unpatched(module, x)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import report
+from . import compiler, report
 from .attention import SafeAttention
 from .comfy_call import function_name, unguarded_kind
 from .fences import GLOBAL_FENCES
@@ -42,10 +42,12 @@ def _poll_wrapper(executor, *args, **kwargs):
 
 def _drain_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: run the sampling, then wait for and release every fence, so no
-    memory held for a kernel outlives the run (also when sampling raised)."""
+    memory held for a kernel outlives the run (also when sampling raised), and end the run for
+    ComfyUI's compiler (plans and chunk sizes are chosen again in the next one)."""
     try:
         return executor(*args, **kwargs)
     finally:
+        compiler.new_run()
         GLOBAL_FENCES.drain()
         report.count("sampling_runs")
 

@@ -1,0 +1,56 @@
+"""ComfyUI's allocation compiler (comfy-aimdo's malloc graph, ComfyUI 0.34+): is it on, and its pause.
+
+With the compiler, comfy-aimdo records a sampling step's device allocations (for H3: the whole
+forward, one scope per DiT block) and replays them on later steps. A step that allocates
+differently is a *graph break*; an allocation alive when its scope closes is a *rogue*; freeing
+a graph allocation in another scope fails the graph (and the next free aborts the process). So
+while it is on, SafeSage keeps the same plans and chunk sizes for a whole sampling run (chosen at
+the first call of the run: :func:`run_id` changes when a run ends, patch.py's OUTER_SAMPLE
+wrapper), and allocates what only some steps make (the first-call check) under
+:func:`paused`, which ComfyUI's own persistent buffers use too.
+
+Both are ComfyUI's own functions (``comfy.model_prefetch.malloc_graph_enabled`` /
+``pause_malloc_graph``), looked up at call time; on a ComfyUI without them the compiler is off
+and :func:`paused` does nothing -- the pack behaves as before.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+_RUN = [0]
+_lock = threading.Lock()
+
+
+def _prefetch():
+    return sys.modules.get("comfy.model_prefetch")
+
+
+def enabled(device) -> bool:
+    """ComfyUI's own answer (``malloc_graph_enabled(device)``), False where it has none."""
+    fn = getattr(_prefetch(), "malloc_graph_enabled", None)
+    if fn is None:
+        return False
+    try:
+        return bool(fn(device))
+    except Exception:  # a changed signature: the compiler is not known to be on
+        return False
+
+
+def paused():
+    """``comfy.model_prefetch.pause_malloc_graph()`` where ComfyUI has it: allocations inside are
+    not recorded (they come from PyTorch's pool and may be freed anywhere). Else a no-op."""
+    fn = getattr(_prefetch(), "pause_malloc_graph", None)
+    return fn() if fn is not None else contextlib.nullcontext()
+
+
+def run_id() -> int:
+    """The current sampling run; plans and chunk sizes chosen under the compiler hold within one."""
+    return _RUN[0]
+
+
+def new_run() -> None:
+    """A sampling run ended (or memory ran out): the next call chooses again."""
+    with _lock:
+        _RUN[0] += 1

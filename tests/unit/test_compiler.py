@@ -1,0 +1,124 @@
+"""Under ComfyUI's allocation compiler (0.34+): the same plans and chunk sizes for a whole run, the
+first-call check outside the graph, and nothing changed where ComfyUI has no compiler (CPU).
+
+A stand-in ``comfy.model_prefetch`` provides the two functions SafeSage asks ComfyUI
+(``malloc_graph_enabled(device)``, ``pause_malloc_graph()``) and records when the graph is
+paused; the GPU proof with the real comfy-aimdo is bench/compiler_probe.py.
+"""
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+
+from safe_ops import compiler, mlp, report
+from safe_ops.policy import Policy
+
+from test_attention import h3_like, make_attn, raw, reference
+
+
+@pytest.fixture
+def prefetch(monkeypatch):
+    mod = types.ModuleType("comfy.model_prefetch")
+    mod.enabled = True
+    mod.paused = 0
+    mod.log = []
+
+    def malloc_graph_enabled(device):
+        return mod.enabled
+
+    @contextlib.contextmanager
+    def pause_malloc_graph(sync=False):
+        mod.paused += 1
+        mod.log.append("pause")
+        try:
+            yield
+        finally:
+            mod.paused -= 1
+            mod.log.append("resume")
+
+    mod.malloc_graph_enabled = malloc_graph_enabled
+    mod.pause_malloc_graph = pause_malloc_graph
+    monkeypatch.setitem(sys.modules, "comfy.model_prefetch", mod)
+    report.reset()
+    return mod
+
+
+def test_plan_kept_for_the_run_and_chosen_again_in_the_next(prefetch):
+    att, kern = make_attn()
+    q, k, v = h3_like(700)
+    budget = {"now": 10**12}
+    att._budget = lambda dev: budget["now"]
+    run = compiler.run_id()
+    launches = []
+    for _ in range(3):
+        kern.launches.clear()
+        budget["now"] = 10**12 if not launches else 1      # free memory collapses after step 1
+        att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        launches.append(len(kern.launches))
+    assert launches[0] == launches[1] == launches[2], "the same plan every step of the run"
+    assert report.STATS["replans"] == 0
+    compiler.new_run()                       # OUTER_SAMPLE ended: the next run reads the budget
+    assert compiler.run_id() == run + 1
+    kern.launches.clear()
+    comfy_calls = []
+    out = att(lambda *a, **kw: comfy_calls.append(1) or reference(*a[:3]).to(q.dtype), q, k, v, 4,
+              skip_reshape=True, skip_output_reshape=True)
+    assert comfy_calls and not kern.launches, "budget 1 byte in the new run: no guarded plan fits"
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_compiler_the_plan_follows_the_budget(prefetch):
+    prefetch.enabled = False
+    att, kern = make_attn()
+    q, k, v = h3_like(700)
+    budget = {"now": 10**12}
+    att._budget = lambda dev: budget["now"]
+    launches = []
+    for now in ("loose", "tight", "loose"):
+        budget["now"] = 10**12 if now == "loose" else next(iter(att._prepared.values())).plan.peak_bytes - 1
+        kern.launches.clear()
+        att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        launches.append(len(kern.launches))
+    assert launches[0] < launches[1] and launches[2] == launches[0] and report.STATS["replans"] == 1
+
+
+def test_first_call_check_runs_with_the_graph_paused(prefetch, monkeypatch):
+    import safe_ops.attention as A
+    seen = []
+    real = A.compare
+
+    def compare(*a, **k):
+        seen.append(prefetch.paused)
+        return real(*a, **k)
+    monkeypatch.setattr(A, "compare", compare)
+    att, _ = make_attn(policy=Policy(kernel="sage", verify="first"))
+    q, k, v = h3_like(100)
+    for _ in range(2):
+        att(raw, q, k, v, 4, skip_reshape=True)
+    assert seen == [1] and prefetch.log == ["pause", "resume"], "one check, inside the pause"
+
+
+def test_no_model_prefetch_means_no_compiler_and_no_pause(monkeypatch):
+    monkeypatch.setitem(sys.modules, "comfy.model_prefetch", types.ModuleType("comfy.model_prefetch"))
+    assert not compiler.enabled(torch.device("cpu"))
+    with compiler.paused():
+        pass
+    monkeypatch.delitem(sys.modules, "comfy.model_prefetch")
+    assert not compiler.enabled(torch.device("cpu"))
+
+
+def test_mlp_auto_chunk_kept_for_the_run(prefetch, monkeypatch):
+    free = {"b": 100 * 2**30}
+    monkeypatch.setattr("safe_ops.budget.free_device_bytes", lambda d: free["b"])
+    dev = torch.device("cpu")
+    a = mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev)
+    free["b"] = 2 * 2**30                                    # a quarter of it: a smaller auto chunk
+    assert mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev) == a
+    compiler.new_run()
+    b = mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev)
+    assert b < a
+    prefetch.enabled = False
+    free["b"] = 100 * 2**30
+    assert mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev) == a, "no compiler: follows memory"
