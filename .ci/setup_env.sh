@@ -17,10 +17,12 @@
 #             must match ARCHIVE.sha256 beside it. When the archive is absent: exit status 3 and
 #             one line on stdout saying so, for the caller's "pass skipped because" line.
 #     0dd9b154  ComfyUI-0dd9b154.tgz -> c0dd/: the bug reporter's commit (0.30.0).
+#     783545f6  ComfyUI-783545f6.tgz -> c783/: upstream 92 commits later (0.33.0).
 #   (none)    $COMFYUI_PATH if set (any ComfyUI tree), else 0.3.75.
-# Each ComfyUI gets its own venv, keyed on its requirements.txt (0.3.75 and 0dd9b154 pin different
-# comfyui-frontend-package / templates / docs versions, and only 0dd9b154 needs comfy-kitchen and
-# comfy-aimdo): each pass runs with exactly what a user of that ComfyUI has installed.
+# Each ComfyUI gets its own venv, keyed on its requirements.txt (they pin different
+# comfyui-frontend-package / templates / docs versions, and only the tree passes need comfy-kitchen
+# (0dd9b154: 0.2.26, 783545f6: 0.2.31) and comfy-aimdo): each pass runs with exactly what a user of
+# that ComfyUI has installed.
 #
 # Cache: $SAFESAGE_CACHE_DIR (default ${XDG_CACHE_HOME:-$HOME/.cache}/safesage). A venv is keyed
 # by a hash of everything that goes into it (the build_venv/smoke_test functions below, the torch
@@ -68,6 +70,7 @@ COMFY_VERSION=0.3.75
 # takes its pass list from `--list`).
 TREE_PASSES=(
     "0dd9b154 ComfyUI-0dd9b154.tgz c0dd"
+    "783545f6 ComfyUI-783545f6.tgz c783"
 )
 EXTRA_PACKAGES=(requests pytest)
 
