@@ -6,13 +6,15 @@ define NODE_CLASS_MAPPINGS here: ComfyUI then ignores comfy_entrypoint.
 All logic lives in safe_ops/, which imports no ComfyUI module at import time and is
 importable on its own (tests put the repository root on sys.path and `import safe_ops`).
 When this file is imported outside ComfyUI (no `comfy_api` to import, e.g. pytest treating
-the repository as a package) it registers nothing and imports nothing heavy.
+the repository as a package; or no parent package, e.g. pytest importing it as a top-level
+module because the checkout's folder name, such as ComfyUI-SafeSage, is no Python identifier)
+it registers nothing and imports nothing heavy.
 """
 import importlib.util
 
 WEB_DIRECTORY = "./web"
 
-if importlib.util.find_spec("comfy_api") is None:
+if not __package__ or importlib.util.find_spec("comfy_api") is None:
     __all__ = ["WEB_DIRECTORY"]
 else:
     try:
