@@ -5,9 +5,9 @@ tests/comfy into a skip, and pytest still exits 0. Fail then, printing why they 
 
 * every pass: the headless-ComfyUI tests (tests/comfy) ran, at least MIN_COMFY_PASSED passed,
   and the only skips there are the MiniMax H3 ones (expected on trees without H3, e.g. 0.3.75);
-* --require-h3 (the 0dd9b154 pass, or any tree with comfy/ldm/minimax/model.py): no skip at all
-  in tests/comfy, and the H3 modules (H3_MODULES) each ran and passed at least their minimum
-  -- a skip there, for any reason, fails the run.
+* --require-h3 (the tree passes 0dd9b154 and 783545f6, or any tree with
+  comfy/ldm/minimax/model.py): no skip at all in tests/comfy, and the H3 modules (H3_MODULES)
+  each ran and passed at least their minimum -- a skip there, for any reason, fails the run.
 
 Prints "pass NAME: N passed, N failed, N skipped" for every pass.
 
