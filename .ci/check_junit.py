@@ -24,6 +24,7 @@ MIN_COMFY_PASSED = 5
 H3_MODULES = {
     "tests.comfy.test_comfy_h3": 3,
     "tests.unit.test_mlp_comfy": 20,
+    "tests.unit.test_h3_comfy": 1,
 }
 
 

@@ -114,11 +114,64 @@ def _comfy_count(PackedLayout, temporal_shape, width, height, length, ref_images
                     "ComfyUI's own H3 code (temporal_shape + PackedLayout)")
 
 
-def h3_attention_call(S: int, dtype: str = "bfloat16", arch: str = "") -> AttnCall:
-    """H3's attention call: [1,56,S,128] HND views into the [S, 3*56*128] qkv_proj output."""
+#: V as H3's attention hands it over: "strided", a view into the fused qkv buffer (0dd9b154, and
+#: compiler-era upstream again), or "contiguous", its own token-major copy (783545f6's v.clone(),
+#: the peak-memory fix #15486 that #15665 removed again)
+V_LAYOUTS = ("strided", "contiguous")
+
+
+def h3_attention_call(S: int, dtype: str = "bfloat16", arch: str = "", v_layout: str = "strided") -> AttnCall:
+    """H3's attention call: [1,56,S,128] HND views of q and k into the [S, 3*56*128] qkv_proj
+    output; V the same view, or (``v_layout="contiguous"``) a copy of it, token-major."""
+    if v_layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout must be one of {V_LAYOUTS}, got {v_layout!r}")
     row = 3 * H3_HEADS * H3_HEAD_DIM
     t = TensorDesc((1, H3_HEADS, S, H3_HEAD_DIM), (S * row, H3_HEAD_DIM, row, 1))
-    return AttnCall(t, t, t, dtype, "HND", False, "cuda", arch, 2)
+    inner = H3_HEADS * H3_HEAD_DIM
+    v = t if v_layout == "strided" else TensorDesc(t.shape, (S * inner, H3_HEAD_DIM, inner, 1))
+    return AttnCall(t, t, v, dtype, "HND", False, "cuda", arch, 2)
+
+
+_V_LAYOUT: dict = {}
+
+
+def comfy_v_layout() -> str | None:
+    """How this ComfyUI's H3 hands V to attention, read from ComfyUI's own ``Attention.forward``:
+    run once on a tiny instance on the CPU with an override that records the tensors' strides.
+    None when ComfyUI with H3 is not loaded here (or its Attention cannot be run that way)."""
+    import sys
+    mod = sys.modules.get(H3_MODEL_MODULE)
+    if mod is None or not hasattr(mod, "Attention"):
+        return None
+    key = id(mod.Attention)
+    if key not in _V_LAYOUT:
+        _V_LAYOUT[key] = _probe_v_layout(mod)
+    return _V_LAYOUT[key]
+
+
+def _probe_v_layout(mod) -> str | None:
+    try:
+        import torch
+
+        import comfy.ops
+        heads, d, hidden, s = 2, 8, 16, 3
+        attn = mod.Attention(hidden, heads, d, 1e-6, dtype=torch.float32, device="cpu",
+                             operations=comfy.ops.disable_weight_init)
+        for p in attn.parameters():
+            torch.nn.init.ones_(p)
+        seen = {}
+
+        def record(func, q, k, v, *a, **kw):
+            seen.update(q=q.stride(), v=v.stride())
+            return torch.zeros(1, q.shape[-2], heads * d)      # [B, S, H*D], as ComfyUI returns it
+
+        with torch.no_grad():
+            attn(torch.ones(s, hidden), transformer_options={"optimized_attention_override": record})
+        if not seen:
+            return None
+        return "strided" if seen["v"][2] == 3 * heads * d else "contiguous" if seen["v"][2] == heads * d else None
+    except Exception:  # another signature or a ComfyUI that cannot run it here: unknown
+        return None
 
 
 # Where ComfyUI defines H3 (comfy/ldm/minimax/model.py): the model class and its MLP class.

@@ -17,18 +17,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .envelope import FAMILIES, check
+from .envelope import FAMILIES, AttnCall, check
 from .h3 import (H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_LAYERS, H3_TEXT_TOKENS, comfy_h3_tokens,
-                 h3_attention_call, h3_frame_count, h3_tokens)
+                 comfy_v_layout, h3_attention_call, h3_frame_count, h3_tokens)
 from .planner import Plan, choose, plan_for
 
 GiB = 2 ** 30
 
 
+def v_layout() -> tuple[str, str]:
+    """(V's layout in H3's attention call, where that was read): this ComfyUI's own H3 when it is
+    loaded (783545f6 copies V, 0dd9b154 and later upstream hand a view), else 0dd9b154's view."""
+    got = comfy_v_layout()
+    if got is not None:
+        return got, "read from this ComfyUI's H3 Attention"
+    return "strided", "ComfyUI's H3 not loaded here: 0dd9b154's layout"
+
+
+def _h3_call(S: int, arch: str = "") -> AttnCall:
+    return h3_attention_call(S, arch=arch, v_layout=v_layout()[0])
+
+
 def preflight(S: int, families: list[str] | None = None, budget_bytes: int | None = None) -> list[dict]:
     """Per kernel family: violations of H3's call at S tokens and the plan SafeSage would run."""
     _register_sage2()
-    call = h3_attention_call(S)
+    call = _h3_call(S)
     rows = []
     for fam in families or [f for f in FAMILIES if f != "sdpa"]:
         env = FAMILIES[fam]
@@ -126,7 +139,7 @@ def _candidates(policy, rt, family: str | None, comfy_wants_sage: bool) -> list[
 def _safe_up_to(family: str, hi: int = 2_000_000) -> int | None:
     from .envelope_sage2 import first_unsafe
     env = FAMILIES[family]
-    bad = first_unsafe(env, h3_attention_call, 1, hi)
+    bad = first_unsafe(env, _h3_call, 1, hi)
     return None if bad is None else bad - 1
 
 
@@ -138,7 +151,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     from .runtime import Runtime, explain_auto, pricing_tflops
     _register_sage2()
     v = Verdict(sc, S)
-    call = h3_attention_call(S, arch=_arch_name(sc.arch))
+    call = _h3_call(S, arch=_arch_name(sc.arch))
     fam = sc.family if sc.family in FAMILIES else None
     if fam is not None:
         env = FAMILIES[fam]
@@ -191,7 +204,7 @@ def ck_lines(S: int, rt, budget_bytes: int | None = None) -> tuple[list[str], li
     else:
         cases, where = list(COMMON_CK), "any GPU"
     lines, warnings = [], []
-    call = h3_attention_call(S)
+    call = _h3_call(S)
     for ver, fam in cases:
         env = FAMILIES[fam]
         viol = check(call, env)
@@ -258,6 +271,14 @@ def verdict_lines(v: Verdict) -> tuple[list[str], list[str]]:
     return lines, warnings
 
 
+def _call_line(S: int) -> str:
+    layout, where = v_layout()
+    v = ("V a view too" if layout == "strided"
+         else f"V its own token-major copy (token stride {H3_HEADS * H3_HEAD_DIM:,})")
+    return (f"attention call: [1, {H3_HEADS}, {S:,}, {H3_HEAD_DIM}], q and k views into the qkv buffer "
+            f"(token stride {3 * H3_HEADS * H3_HEAD_DIM:,}), {v} ({where})")
+
+
 def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
                      text_tokens: int = H3_TEXT_TOKENS, policy=None, rt=None,
                      free_bytes: int | None = None, comfy_wants_sage: bool | None = None,
@@ -277,8 +298,7 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
              f"(-> {h3_frame_count(length)} on H3's 17k+5 grid), {ref_images} reference image(s)",
              f"packed tokens: {S:,} = video {t.video:,} + audio {t.audio:,} + references {t.refs:,} "
              f"+ text {t.text:,} (text varies with the prompt); counted with {t.source}",
-             f"attention call: [1, {H3_HEADS}, {S:,}, {H3_HEAD_DIM}] views into the qkv buffer "
-             f"(token stride {3 * H3_HEADS * H3_HEAD_DIM:,})",
+             _call_line(S),
              f"runtime: {rt.summary()}",
              f"kernel policy: {policy.kernel}; mlp_chunking: {policy.mlp_chunking}"
              + (f" ({policy.mlp_chunk_tokens:,} tokens)" if policy.mlp_chunking == "tokens" else "")]

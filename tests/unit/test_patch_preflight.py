@@ -156,3 +156,20 @@ def test_demo_runs_on_cpu(capsys):
     assert demo.main(["--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "all checks passed" in out and "173,062" in out and "head_groups" in out
+
+
+def test_v_layout_per_tree_changes_which_limits_h3_crosses():
+    """783545f6 copies V (token stride 7,168): sage 2.2's u32 V terms then wrap 3x later than for
+    0dd9b154's view (21,504), so at 199,730 tokens only the strided V crosses them."""
+    from safe_ops import envelope_sage2  # noqa: F401  (registers the sage 2.x families)
+    from safe_ops.envelope import FAMILIES, check
+    strided = h3_attention_call(199_730)
+    copied = h3_attention_call(199_730, v_layout="contiguous")
+    assert copied.q == strided.q and copied.k == strided.k
+    assert copied.v.shape == strided.v.shape and copied.v.stride == (199_730 * 7168, 128, 7168, 1)
+    env = FAMILIES["sage2_fp8pv_perwarp"]
+    on_v = lambda call: [x.tensor for x in check(call, env) if x.tensor.startswith("v")]  # noqa: E731
+    assert on_v(strided) and not on_v(copied)
+    assert check(copied, env), "q and k are still views: their limits stay"
+    with pytest.raises(ValueError):
+        h3_attention_call(10, v_layout="nhd")
