@@ -78,16 +78,50 @@ def probe_heads(heads: int, n: int = PROBE_HEADS) -> tuple[int, ...]:
     return tuple(sorted({round(i * (heads - 1) / (n - 1)) for i in range(n)}))
 
 
+#: the probe's own working memory (float32 key/value blocks and scores of one slice): small next
+#: to a plan's budget, so the check never asks much of a device the plan already filled
+PROBE_MAX_BYTES = 64 * 2 ** 20
+
+
+def reference_rows(qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, scale: float,
+                   max_bytes: int = PROBE_MAX_BYTES) -> torch.Tensor:
+    """float32 attention of query rows ``qs`` [r, D] over keys ``ks`` / values ``vs`` [Skv, D],
+    in key blocks merged by a running max and sum (exact up to float32 rounding), so that no
+    [r, Skv] score matrix or whole-sequence float32 copy is made: at most ``max_bytes``."""
+    r, d = qs.shape
+    n = ks.shape[0]
+    per_key = (r + 2 * d) * 4                     # a score column + the float32 key and value rows
+    kb = max(1024, int(max_bytes) // per_key)
+    q32 = qs.float()
+    acc = run_max = run_sum = None
+    for c0 in range(0, n, kb):
+        sc = (q32 @ ks[c0:c0 + kb].float().T).mul_(scale)         # [r, kb]
+        m = sc.amax(dim=-1)
+        if acc is None:
+            p = (sc - m[:, None]).exp_()
+            acc, run_max, run_sum = p @ vs[c0:c0 + kb].float(), m, p.sum(dim=-1)
+            continue
+        new = torch.maximum(run_max, m)
+        old = (run_max - new).exp_()
+        p = (sc - new[:, None]).exp_()
+        run_sum = run_sum * old + p.sum(dim=-1)
+        acc = acc.mul_(old[:, None]).addmm_(p, vs[c0:c0 + kb].float())
+        run_max = new
+    return acc / run_sum[:, None]
+
+
 def compare(out_hnd: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            scale: float | None, tolerance: float, heads: tuple[int, ...] | None = None) -> Verdict:
+            scale: float | None, tolerance: float, heads: tuple[int, ...] | None = None,
+            max_bytes: int = PROBE_MAX_BYTES) -> Verdict:
     """Compare ``out_hnd`` ([B,H,Sq,D]) on a slice with float32 attention of the same inputs (HND views).
 
-    Every batch element, :func:`probe_heads` heads and :func:`probe_rows` rows. The verdict
-    fails on a NaN/Inf in the probed output where the reference row is finite, and when the
-    worst relative L2 error of a (batch, head) slice is over ``tolerance`` or is NaN (NaN
-    compares false with everything, so it is checked explicitly). Rows whose reference is
-    NaN/Inf (NaN/Inf inputs) are not the kernel's fault and are left out; if no row is left
-    the verdict is inconclusive and not remembered.
+    Every batch element, :func:`probe_heads` heads and :func:`probe_rows` rows, the reference
+    in key blocks within ``max_bytes`` (:func:`reference_rows`), one host read for the whole
+    check. The verdict fails on a NaN/Inf in the probed output where the reference row is
+    finite, and when the worst relative L2 error of a (batch, head) slice is over ``tolerance``
+    or is NaN (NaN compares false with everything, so it is checked explicitly). Rows whose
+    reference is NaN/Inf (NaN/Inf inputs) are not the kernel's fault and are left out; if no
+    row is left the verdict is inconclusive and not remembered.
     """
     B, H, Sq, D = q.shape
     if Sq == 0 or k.shape[2] == 0:
@@ -96,39 +130,33 @@ def compare(out_hnd: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     ratio = max(H // max(hk, 1), 1)
     heads = heads or probe_heads(H)
     rows = probe_rows(Sq).to(q.device)
-    worst = 0.0
-    where = ""
-    compared = 0
     s = scale if scale is not None else D ** -0.5
+    slices, stats = [], []
     for b in range(B):
         for h in heads:
-            # An explicit fp32 GEMM-softmax-GEMM: SDPA's fused kernels parallelise over
-            # query rows, so a few hundred rows against 169k keys would run on a
-            # handful of SMs; two GEMMs use the whole GPU.
-            qs = q[b, h].index_select(0, rows).float()                     # [r, D]
-            ks = k[b, h // ratio].float()                                   # [Skv, D]
-            vs = v[b, h // ratio].float()
-            ref = torch.softmax((qs @ ks.T).mul_(s), dim=-1) @ vs
+            ref = reference_rows(q[b, h].index_select(0, rows), k[b, h // ratio], v[b, h // ratio], s, max_bytes)
             got = out_hnd[b, h].index_select(0, rows).float()
             # Rows whose reference is not finite come from NaN/Inf *inputs*: any kernel gives
             # NaN there, so they are left out. Everywhere else the output must be finite.
             ref_ok = torch.isfinite(ref).all(dim=-1)
             got_ok = torch.isfinite(got).all(dim=-1)
             m = ref_ok.unsqueeze(-1)
-            # one host read per slice
-            bad_rows, ref_rows, diff, denom = torch.stack([
-                (ref_ok & ~got_ok).sum().float(), ref_ok.sum().float(),
-                (got - ref).where(m, 0.0).norm(), ref.where(m, 0.0).norm()]).tolist()
-            if bad_rows:
-                return Verdict(False, math.inf, tolerance,
-                               f"non-finite output (NaN/Inf) in {int(bad_rows)} probed rows of batch {b} "
-                               f"head {h} where the reference is finite")
-            if not ref_rows:
-                continue
-            compared += 1
-            err = diff / max(denom, 1e-12)
-            if not err <= worst:          # also true for NaN: it must never be dropped
-                worst, where = err, f"batch {b} head {h}"
+            stats.append(torch.stack([(ref_ok & ~got_ok).sum().float(), ref_ok.sum().float(),
+                                      (got - ref).where(m, 0.0).norm(), ref.where(m, 0.0).norm()]))
+            slices.append((b, h))
+            del ref, got
+    worst, where, compared = 0.0, "", 0
+    for (b, h), (bad_rows, ref_rows, diff, denom) in zip(slices, torch.stack(stats).tolist()):  # one host read
+        if bad_rows:
+            return Verdict(False, math.inf, tolerance,
+                           f"non-finite output (NaN/Inf) in {int(bad_rows)} probed rows of batch {b} "
+                           f"head {h} where the reference is finite")
+        if not ref_rows:
+            continue
+        compared += 1
+        err = diff / max(denom, 1e-12)
+        if not err <= worst:          # also true for NaN: it must never be dropped
+            worst, where = err, f"batch {b} head {h}"
     if not compared:
         return Verdict(True, math.nan, tolerance, "inconclusive: the reference is NaN/Inf on every "
                        "probed row (NaN/Inf inputs)", conclusive=False)

@@ -754,3 +754,28 @@ def test_budget_is_read_at_most_every_poll_interval_and_bucketed(monkeypatch):
     clock["t"] += 2 * A.BUDGET_POLL_S
     assert att._budget(dev) < b1 and len(reads) == 2           # re-read, lower bucket
     assert att._budget(torch.device("cpu")) is None            # no budget off CUDA
+
+
+def test_probe_reference_in_key_blocks_equals_whole_softmax():
+    from safe_ops.probe import reference_rows
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, 16, generator=g) * 3 for n in (40, 5000, 5000))
+    whole = torch.softmax(q.double() @ k.double().T * 0.25, -1) @ v.double()
+    blocked = reference_rows(q, k, v, 0.25, max_bytes=1)          # the smallest block: 1024 keys
+    torch.testing.assert_close(blocked.double(), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_probe_out_of_memory_is_inconclusive_not_a_failed_prompt(monkeypatch, caplog):
+    import safe_ops.attention as A
+    att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
+    q, k, v = h3_like(100)
+    real = A.compare
+    monkeypatch.setattr(A, "compare", lambda *a, **kw: (_ for _ in ()).throw(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 600.00 MiB")))
+    out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)   # the kernel's
+    assert report.STATS["probes_inconclusive"] == 1 and report.STATS["probes"] == 0
+    assert "no memory to check" in caplog.text
+    monkeypatch.setattr(A, "compare", real)
+    att(raw, q, k, v, 4, skip_reshape=True)                       # checked again, now it can
+    assert report.STATS["probes"] == 1 and len(kern.launches) == 2
