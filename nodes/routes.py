@@ -1,7 +1,7 @@
 """HTTP routes of the pack, added to ComfyUI's server when there is one.
 
 GET /safesage/stats -> safe_ops.report.snapshot() as JSON (process-wide counters: attention
-calls per plan kind, fallbacks with reasons, MLP patches and calls, fences). 503 with
+calls per plan kind, fallbacks with reasons, MLP patches and calls). 503 with
 {"error": ...} when safe_ops could not be imported, 500 when the snapshot itself fails.
 """
 from __future__ import annotations

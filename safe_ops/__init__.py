@@ -1,8 +1,11 @@
-"""SafeSage core: check -> plan -> run, fenced. Pure torch; never imports ComfyUI at import time.
+"""SafeSage core: check -> plan -> run. Pure torch; never imports ComfyUI at import time.
 
-Modules: runtime (what is here), envelope (kernel index arithmetic as data),
-planner (call -> Plan), fences (event-gated keep-alive), probe (first-call
-verification), attention (the ComfyUI override), mlp (chunked H3 SwiGLU),
-patch (apply to a ModelPatcher), report (counters).
+Modules (docs/DESIGN.md has the map): runtime (what is here), h3 (MiniMax H3's facts), envelope*
+(kernel index arithmetic as data), planner (call -> Plan), budget (free memory -> bytes a plan
+may use), kernels (adapters), comfy_call (ComfyUI's call, and what ComfyUI would run), executor
+(runs a Plan), streams (the legacy-stream hop), probe (first-call verification), attention (the
+ComfyUI override), compiler (ComfyUI's allocation compiler), mlp / mlp_plan / mlp_comfy /
+mlp_patch (H3's MLP in token chunks), patch (apply to a ModelPatcher), preflight (a size ->
+verdicts), report (counters).
 """
 __version__ = "0.1.0"

@@ -26,7 +26,6 @@ from .comfy_call import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_
                          unguarded_kind)
 from .envelope import FAMILIES, AttnCall, check
 from .executor import Executor, is_cuda_error, is_oom
-from .fences import GLOBAL_FENCES, FenceBook
 from .kernels import SDPA_KERNEL, Kernel, installed_kernels
 from .planner import Plan, choose
 from .policy import Policy
@@ -63,12 +62,11 @@ class SafeAttention:
     _safesage_guarded = True
 
     def __init__(self, policy: Policy = Policy(), kernels: list[Kernel] | None = None,
-                 fences: FenceBook = GLOBAL_FENCES, verifier: Verifier | None = None,
+                 verifier: Verifier | None = None,
                  rt: Runtime | None = None, previous: Callable | None = None,
                  layer_functions: dict | None = None):
         self.policy = policy
         self.rt = rt or runtime()
-        self.fences = fences
         self.verifier = verifier or Verifier(policy.verify)
         if kernels is None:
             kernels = installed_kernels(self.rt)
@@ -82,11 +80,11 @@ class SafeAttention:
         self._comfy_fns: dict[int, tuple] = {}      # id(func) -> (func, what runs in its place)
         self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
         self._budget_reader = BudgetReader()
-        self.executor = Executor(self.kernels, fences, policy.debug_sync)
+        self.executor = Executor(self.kernels, policy.debug_sync)
 
     def __deepcopy__(self, memo):
-        # Clones of a patched model share one override (its caches and fences are
-        # process-wide anyway); other packs deepcopy model_options freely.
+        # Clones of a patched model share one override (its caches are process-wide
+        # anyway); other packs deepcopy model_options freely.
         return self
 
     # ---------------------------------------------------------------- choice

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .comfy_call import Normalised
-from .fences import FenceBook, StreamHop
+from .streams import StreamHop
 from .kernels import Kernel, _sdpa_fn
 from .planner import Plan
 from . import report
@@ -37,11 +37,10 @@ def is_oom(e: BaseException) -> bool:
 
 
 class Executor:
-    """Executes plans with ``kernels`` (family -> Kernel), fencing on ``fences``."""
+    """Executes plans with ``kernels`` (family -> Kernel)."""
 
-    def __init__(self, kernels: dict, fences: FenceBook, debug_sync: bool = False):
+    def __init__(self, kernels: dict, debug_sync: bool = False):
         self.kernels = kernels
-        self.fences = fences
         self.debug_sync = debug_sync
 
     def run(self, plan: Plan, n: Normalised) -> torch.Tensor:
@@ -50,15 +49,17 @@ class Executor:
         Same stream (Triton sage, SDPA): the caching allocator already orders the
         reuse of every temporary after the kernels enqueued on that stream, so a
         copy is freed as soon as the next one is made and peak memory stays at
-        one launch's worth. Kernels on the legacy default stream (sage 2.x CUDA):
-        the call hops there behind an event and the caller's stream waits for the
-        result with another event -- no host synchronisation either way. Inside the
-        hop the kernel's own temporaries and the pack's copies are allocated on the
-        legacy stream, so the allocator orders their reuse; the copies are fenced
-        anyway (defence in depth, bytes capped). The
-        caller's q/k/v views are *not* fenced: they belong to the caller's stream,
-        which waits for the hop's exit event before any later work, so their memory
-        cannot be reused early -- and fencing them would pin the whole qkv buffer.
+        one launch's worth. Kernels on the legacy default stream (sage 2.x CUDA)
+        while the caller runs on another stream: the call hops there behind an
+        event and the caller's stream waits for the result with another event -- no
+        host synchronisation either way. Inside the hop the kernel's own
+        temporaries and the pack's copies are allocated on the legacy stream, the
+        stream that reads them, so stream order protects them there too: nothing is
+        held past the call (no fence, no memory beyond the plan's peak, nothing
+        alive past the block under ComfyUI's allocation compiler). The caller's
+        q/k/v belong to the caller's stream, which waits for the hop's exit event
+        before any later work, so their memory cannot be reused early; the result,
+        allocated on the legacy stream, gets ``record_stream`` for the caller's.
         """
         kern = self.kernels[plan.kernel]
         q, k = n.q, n.k
@@ -70,14 +71,13 @@ class Executor:
             if cur != legacy:
                 hop = StreamHop(cur, legacy)
         if hop is None:
-            out = self._launch_all(plan, kern, n, None)
+            out = self._launch_all(plan, kern, n)
         else:
             report.count("stream_hops")
             hop.enter()
             try:
                 with torch.cuda.stream(hop.target):
-                    out = self._launch_all(plan, kern, n,
-                                           lambda ts: self.fences.hold(ts, stream=hop.target, label=plan.kernel))
+                    out = self._launch_all(plan, kern, n)
             finally:
                 # Even when a launch raised: the caller's stream must not run ahead of (and the
                 # allocator must not hand out memory still read by) what was already enqueued.
@@ -94,8 +94,7 @@ class Executor:
                     f"for q{tuple(q.shape)} k{tuple(k.shape)}: {e}") from e
         return out
 
-    def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised,
-                    fence: Callable[[list], Any] | None) -> torch.Tensor:
+    def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised) -> torch.Tensor:
         q, k, v = n.q, n.k, n.v
         if plan.kind == "sdpa":
             return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
@@ -119,10 +118,6 @@ class Executor:
                 o = kern.fn(qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), "NHD", n.scale).transpose(1, 2)
             else:
                 o = kern.fn(qs, ks, vs, "HND", n.scale)
-            if fence is not None:
-                # only what this call made for the kernel (repacked copies): views of the caller's
-                # q/k/v stay unfenced and the output is handed over with record_stream (Executor.run)
-                fence([t for t, name in ((qs, "q"), (ks, "k"), (vs, "v")) if name in plan.repack])
             return o
 
         if g >= H and qc >= Sq and kc >= Skv:
@@ -133,7 +128,7 @@ class Executor:
             h1 = min(h0 + g, H)
             kh, vh = k[:, h0 // ratio:h1 // ratio], v[:, h0 // ratio:h1 // ratio]
             if kc < Skv:
-                self._launch_kv_chunks(plan, kern, n, fence, prep, out, h0, h1, kh, vh, kc)
+                self._launch_kv_chunks(plan, kern, n, prep, out, h0, h1, kh, vh, kc)
                 continue
             ks = prep(kh, "k")
             vs = prep(vh, "v")
@@ -144,7 +139,7 @@ class Executor:
         return out
 
     @staticmethod
-    def _launch_kv_chunks(plan: Plan, kern: Kernel, n: Normalised, fence, prep, out: torch.Tensor,
+    def _launch_kv_chunks(plan: Plan, kern: Kernel, n: Normalised, prep, out: torch.Tensor,
                           h0: int, h1: int, kh: torch.Tensor, vh: torch.Tensor, kc: int) -> None:
         """Heads h0:h1 of ``out`` from launches over ``kc`` keys at a time, merged exactly.
 
@@ -155,12 +150,9 @@ class Executor:
         element of the block), one launch's output and temporaries, the centred key chunk
         and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
 
-        Fencing (legacy-stream kernels), as for the other plans (Executor.run): the copies made
-        for the kernel (repacked q/v, the centred key chunk) are fenced; views of the caller's
-        tensors are not. The kernel's output and LSE and the accumulator are not either: they
-        are allocated and consumed on the hop's stream, where the allocator orders reuse, and
-        holding every key chunk's output until the GPU caught up would multiply the memory
-        the plan was priced at.
+        Every copy (repacked q/v, the centred key chunk), each launch's output and LSE and
+        the accumulator are made and consumed on the stream the kernel runs on (Executor.run),
+        so each is freed as soon as the next replaces it: the plan's priced peak, nothing held.
         """
         q = n.q
         B, _, Sq, D = q.shape
@@ -194,13 +186,8 @@ class Executor:
                     o = o.transpose(1, 2)
                 else:
                     o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
-                if fence is not None:
-                    fence([t for t, copy in ((ks, km is not None or "k" in plan.repack),
-                                             (vs, "v" in plan.repack)) if copy])
                 acc, run = lse_merge(acc, run, o, lse)
                 del ks, vs, o, lse
-            if fence is not None and "q" in plan.repack:
-                fence([qs])                  # once, after its last launch (not once per key chunk)
             out[:, h0:h1, s0:s1].copy_(acc)
             del acc, run, qs
 

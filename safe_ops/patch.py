@@ -1,4 +1,4 @@
-"""Apply SafeSage to a ComfyUI ModelPatcher: clone, override attention, patch H3 MLPs, drain fences.
+"""Apply SafeSage to a ComfyUI ModelPatcher: clone, override attention, patch H3 MLPs, mark runs.
 
 ComfyUI is imported lazily and every hook is looked up with ``getattr`` so the
 pack loads on ComfyUI 0.3.75 (no MiniMax H3, no dynamic VRAM) and on 0dd9b154+.
@@ -16,7 +16,6 @@ from typing import Any
 from . import compiler, report
 from .attention import SafeAttention
 from .comfy_call import function_name, unguarded_kind
-from .fences import GLOBAL_FENCES
 from .mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .runtime import explain_auto, runtime
@@ -31,24 +30,21 @@ class SafeSageError(RuntimeError):
     """A choice on the node that cannot be honoured here; the message says what to do."""
 
 
-def _poll_wrapper(executor, *args, **kwargs):
-    """DIFFUSION_MODEL wrapper: run the forward, then release the fences whose work is done."""
+def _forward_wrapper(executor, *args, **kwargs):
+    """DIFFUSION_MODEL wrapper: count the diffusion-model forwards (the node's statistics)."""
     try:
         return executor(*args, **kwargs)
     finally:
-        GLOBAL_FENCES.poll()
         report.count("forwards")
 
 
-def _drain_wrapper(executor, *args, **kwargs):
-    """OUTER_SAMPLE wrapper: run the sampling, then wait for and release every fence, so no
-    memory held for a kernel outlives the run (also when sampling raised), and end the run for
-    ComfyUI's compiler (plans and chunk sizes are chosen again in the next one)."""
+def _run_wrapper(executor, *args, **kwargs):
+    """OUTER_SAMPLE wrapper: the sampling run ends here (also when it raised), so under ComfyUI's
+    allocation compiler the next run chooses its plans and chunk sizes again."""
     try:
         return executor(*args, **kwargs)
     finally:
         compiler.new_run()
-        GLOBAL_FENCES.drain()
         report.count("sampling_runs")
 
 
@@ -90,7 +86,7 @@ def layer_attention_functions(diffusion_model: Any) -> tuple[dict, list[str]]:
 
 
 # wrapper type (name in comfy.patcher_extension.WrappersMP) -> wrapper
-WRAPPERS = {"DIFFUSION_MODEL": _poll_wrapper, "OUTER_SAMPLE": _drain_wrapper}
+WRAPPERS = {"DIFFUSION_MODEL": _forward_wrapper, "OUTER_SAMPLE": _run_wrapper}
 
 
 def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, dict]:
@@ -110,7 +106,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     if isinstance(prev, SafeAttention):       # an earlier SafeSage node: replaced, its chain kept
         prev = prev.previous
     layer_fns, layer_lines = layer_attention_functions(_diffusion_model(m))
-    attn = SafeAttention(policy, fences=GLOBAL_FENCES, rt=rt, previous=prev, layer_functions=layer_fns)
+    attn = SafeAttention(policy, rt=rt, previous=prev, layer_functions=layer_fns)
     to[OVERRIDE_KEY] = attn
     if prev is not None:
         kind = attn.previous_kind
@@ -120,14 +116,13 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
                         "attention_pytorch instead" if kind else ""))
     lines += layer_lines
 
-    # Poll fences after every diffusion-model forward and drain them when sampling ends
-    # (idempotent: removed, then added under a fixed key).
+    # Count forwards, and mark where a sampling run ends (idempotent: removed, then added under
+    # a fixed key).
     wrappers_mp = None
     try:
         from comfy.patcher_extension import WrappersMP as wrappers_mp  # type: ignore
     except Exception:
         pass
-    installed = []
     if wrappers_mp is not None and hasattr(m, "add_wrapper_with_key"):
         for name, fn in WRAPPERS.items():
             wtype = getattr(wrappers_mp, name, None)
@@ -136,10 +131,6 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
             if hasattr(m, "remove_wrappers_with_key"):
                 m.remove_wrappers_with_key(wtype, WRAPPER_KEY)
             m.add_wrapper_with_key(wtype, WRAPPER_KEY, fn)
-            installed.append(name)
-    if "OUTER_SAMPLE" not in installed:
-        warnings.append("this ComfyUI has no OUTER_SAMPLE wrapper; fences are released by polling and "
-                        "their count/byte caps only")
 
     # Always called: with "off" it removes MLP patches an earlier SafeSage node left on this model.
     setting: Any = policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking

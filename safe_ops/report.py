@@ -53,7 +53,6 @@ def set_info(name: str, value: Any) -> None:
 
 
 def snapshot() -> dict:
-    from .fences import GLOBAL_FENCES
     from .mlp import MLP_STATS
     with _lock:
         return {
@@ -63,7 +62,6 @@ def snapshot() -> dict:
             "fallbacks": int(STATS.get("fallbacks", 0)),
             "fallback_reasons": dict(FALLBACKS),
             "plans": dict(PLANS),
-            "fences": GLOBAL_FENCES.stats.as_dict(),
             **{k: v for k, v in _extra.items()},
         }
 
