@@ -18,7 +18,7 @@ import time
 import pytest
 
 from browser import hide_overlays, open_comfy
-from comfy_graphs import sd2_graph
+from comfy_graphs import canonical_inputs, sd2_graph
 from comfy_server import REPO, has_minimax_h3
 
 pytestmark = pytest.mark.browser
@@ -194,22 +194,7 @@ def test_frontend_converts_the_ui_example_to_the_api_copy(page, comfy):
     assert sorted(got) == sorted(api)
     for nid, node in api.items():
         assert got[nid]["class_type"] == node["class_type"]
-        want, have = _canonical(node["inputs"]), _canonical(got[nid]["inputs"])
+        want, have = canonical_inputs(node["inputs"]), canonical_inputs(got[nid]["inputs"])
         for name, value in want.items():
             assert have.get(name) == value, (nid, name, have)
 
-
-def _canonical(inputs: dict) -> dict:
-    """SaveVideo's inputs in one spelling across ComfyUI versions: 783545f6 nests the codec settings
-    under ``format`` (``format.codec.*``, the old top-level ``codec`` kept as a hidden input that
-    the frontend fills with 'auto') and adds ``codec.encoding.color_space`` (default 'auto'), which
-    0dd9b154 does not have. The API copy spells the settings the way both accept."""
-    out = dict(inputs)
-    nested = {k: v for k, v in out.items() if k.startswith("format.codec")}
-    if nested:
-        out.pop("codec", None)                               # the hidden legacy input
-        for k in nested:
-            out[k[len("format."):]] = out.pop(k)
-    if out.get("codec.encoding.color_space", "auto") == "auto":
-        out.pop("codec.encoding.color_space", None)
-    return out

@@ -75,3 +75,19 @@ def stats_delta(before: dict, after: dict, key: str) -> int:
             d = d.get(part, 0) if isinstance(d, dict) else 0
         return int(d or 0)
     return get(after) - get(before)
+
+
+def canonical_inputs(inputs: dict) -> dict:
+    """SaveVideo's inputs in one spelling across ComfyUI versions: 783545f6 nests the codec settings
+    under ``format`` (``format.codec.*``, the old top-level ``codec`` kept as a hidden input that
+    the frontend fills with 'auto') and adds ``codec.encoding.color_space`` (default 'auto'), which
+    0dd9b154 does not have. The API copy spells the settings the way both accept."""
+    out = dict(inputs)
+    nested = {k: v for k, v in out.items() if k.startswith("format.codec")}
+    if nested:
+        out.pop("codec", None)                               # the hidden legacy input
+        for k in nested:
+            out[k[len("format."):]] = out.pop(k)
+    if out.get("codec.encoding.color_space", "auto") == "auto":
+        out.pop("codec.encoding.color_space", None)
+    return out
