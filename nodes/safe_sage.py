@@ -90,17 +90,6 @@ class SafeSageAttention(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, kernel, mlp_chunking, verify) -> bool | str:
-        """Refuse unknown combo values at queue time (a hand-edited or newer workflow), since
-        not every ComfyUI version checks V3 combo values itself. Only these three inputs are
-        named, so ComfyUI still range-checks mlp_chunk_tokens."""
-        for name, value, allowed in (("kernel", kernel, KERNELS), ("mlp_chunking", mlp_chunking, MLP_CHUNKING),
-                                     ("verify", verify, VERIFY)):
-            if value not in allowed:
-                return f"SafeSage: {name}={value!r} is not one of {allowed}"
-        return True
-
-    @classmethod
     def execute(cls, *, model, kernel, mlp_chunking, mlp_chunk_tokens, verify, debug_sync) -> io.NodeOutput:
         Policy, apply_safesage, _report = _backend.require()
         policy = Policy(

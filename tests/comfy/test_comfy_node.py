@@ -79,16 +79,18 @@ def test_bad_node_input_is_rejected_with_node_errors(comfy, tiny_sd2, seed_count
     assert comfy.alive()
 
 
-def test_bad_combo_value_gives_a_clear_error(comfy, tiny_sd2, seed_counter):
-    """ComfyUI 0.3.75 / 0dd9b154 do not check V3 combo values at /prompt, so an unknown kernel
-    (e.g. from a hand-edited or newer workflow) must be refused by the node: either at
-    validation (400, node_errors on the node) or when it runs (execution_error on the node), with
-    a message naming the input and the bad value. Never silently sampled with some default."""
+def test_bad_combo_value_gives_one_clear_error_under_its_input(comfy, tiny_sd2, seed_counter):
+    """An unknown kernel (a hand-edited or newer workflow) is refused with one error, under the
+    input that is wrong: at validation by ComfyUI's own combo check where it checks V3 combos
+    (0dd9b154 and later), else when the node runs (0.3.75: execution_error on the node), with a
+    message naming the input and the bad value. Never silently sampled with some default."""
     pid = comfy.post_prompt(sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "bad_kernel",
                                       safesage={"kernel": "flash-turbo"}))
     if isinstance(pid, dict):
         assert pid["node_errors"]["10"]["class_type"] == "SafeSageAttention", pid
-        text = _errors_text(pid["node_errors"]["10"]["errors"])
+        errs = pid["node_errors"]["10"]["errors"]
+        assert len(errs) == 1 and errs[0]["extra_info"]["input_name"] == "kernel", errs
+        text = _errors_text(errs) + " " + json.dumps(errs[0]["extra_info"].get("received_value"))
     else:
         entry = comfy.wait_history(pid)
         assert entry["status"]["status_str"] == "error", "kernel='flash-turbo' ran without an error"
