@@ -57,6 +57,10 @@ def parse(argv=None):
     ap.add_argument("--emulate-arch", default="sm120", help="what sage 2.2.0 and SafeSage see ('' = the real GPU)")
     ap.add_argument("--no-compiler", action="store_true", help="the same steps without recording (a control)")
     ap.add_argument("--verify", default="first")
+    ap.add_argument("--free-gib", default="", help="safesage arms: the free memory SafeSage reads at each step "
+                    "(e.g. 60,5,5: it drops after step 0), in GiB; default: the device's own")
+    ap.add_argument("--blind", action="store_true", help="safesage arms: SafeSage is not told the compiler is on "
+                    "(a control: plans and chunk sizes then follow free memory step by step)")
     ap.add_argument("--out")
     ap.add_argument("--timeout", type=int, default=420, help="per arm, seconds")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -208,6 +212,14 @@ def child(a) -> None:
     # what ComfyUI hands the override / runs: --use-sage-attention or its default on this GPU
     h3.optimized_attention = att.attention_sage if arm.endswith("sage") else att.attention_pytorch
     rt = _emulate(a.emulate_arch, torch) if a.emulate_arch else None
+    step_now = [0]
+    if a.free_gib and arm.startswith("safesage"):
+        import safe_ops.budget
+        free = [float(x) * 2 ** 30 for x in a.free_gib.split(",")]
+        safe_ops.budget.free_device_bytes = lambda device: int(free[min(step_now[0], len(free) - 1)])
+    if a.blind:
+        import safe_ops.compiler
+        safe_ops.compiler.enabled = lambda device: False
 
     info = {"arm": arm, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev),
             "comfy_aimdo": getattr(comfy_aimdo, "__version__", None) or _dist("comfy-aimdo"),
@@ -231,23 +243,6 @@ def child(a) -> None:
         t_emb = torch.randn(1, T_DIM, generator=g, device=dev, dtype=torch.bfloat16)
         segs = [(0, S, 0)]
         to = {}
-        if arm.startswith("safesage"):
-            from safe_ops import mlp_comfy, report
-            from safe_ops.attention import SafeAttention
-            from safe_ops.mlp_patch import H3ChunkedMLPForward
-            from safe_ops.policy import Policy
-            to["optimized_attention_override"] = SafeAttention(Policy(verify=a.verify), rt=rt)
-            mlp_comfy.install()
-            for i, b in enumerate(blocks):
-                b.mlp.forward = H3ChunkedMLPForward(b.mlp, f"blocks.{i}.mlp", "auto")
-        # persistent workspaces outside any graph (upstream: a BLAS warm-up under pause)
-        torch.cuda.current_blas_handle()
-        w = torch.randn(256, HIDDEN, device=dev, dtype=torch.bfloat16)
-        (w @ w.t()).sum().item()
-        del w
-        torch.cuda.synchronize()
-        gc.collect()
-        gc.disable()
 
         def forward(out):
             comp.begin()
@@ -265,8 +260,31 @@ def child(a) -> None:
                 comp.abort()
                 raise
 
+        # One eager forward of plain ComfyUI first, outside any graph: the persistent workspaces
+        # (cuBLAS/cuBLASLt, attention) exist before recording, as after a real ComfyUI's earlier
+        # nodes and steps. SafeSage is installed after it, so its first call is in the recorded step.
+        comp.on = False
+        torch.cuda.current_blas_handle()
+        warm = torch.empty_like(x0)
+        forward(warm)
+        del warm
+        comp.on = not a.no_compiler
+        if arm.startswith("safesage"):
+            from safe_ops import mlp_comfy, report
+            from safe_ops.attention import SafeAttention
+            from safe_ops.mlp_patch import H3ChunkedMLPForward
+            from safe_ops.policy import Policy
+            to["optimized_attention_override"] = SafeAttention(Policy(verify=a.verify), rt=rt)
+            mlp_comfy.install()
+            for i, b in enumerate(blocks):
+                b.mlp.forward = H3ChunkedMLPForward(b.mlp, f"blocks.{i}.mlp", "auto")
+        torch.cuda.synchronize()
+        gc.collect()
+        gc.disable()
+
         out = None
         for step in range(a.steps):
+            step_now[0] = step
             torch.cuda.reset_peak_memory_stats(dev)
             breaks0, rog0 = comp.breaks, comp.stats().get("rogues", 0)
             t0 = time.perf_counter()
@@ -302,7 +320,9 @@ def child(a) -> None:
         if arm.startswith("safesage"):
             snap = report.snapshot()
             result["safesage"] = {k: snap.get(k) for k in ("plans", "fallback_reasons", "probes", "probe_failures",
-                                                            "replans", "mlp")}
+                                                            "replans", "mlp", "plan:kv_chunks", "plan:head_groups",
+                                                            "plan:direct", "plan:repack", "plan:sdpa")}
+            result["free_gib"], result["blind"] = a.free_gib, a.blind
         print(json.dumps(result), flush=True)
     sys.stdout.flush()
     os._exit(0)          # no interpreter-exit destructor order games with aimdo's hooks

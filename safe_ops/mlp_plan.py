@@ -85,9 +85,21 @@ def auto_budget_bytes(device: torch.device) -> int:
     return mlp_budget_bytes(device, AUTO_BUDGET_BYTES)
 
 
+def balanced(S: int, c: int) -> int:
+    """The same number of chunks as ``c`` tokens per chunk needs, of (nearly) equal size: no small
+    tail chunk, whose GEMMs run less efficiently (rounded up to CHUNK_ALIGN, never above ``c``)."""
+    if c >= S or c < CHUNK_ALIGN:
+        return c
+    n = -(-S // c)
+    even = -(-S // n)
+    return min(c, -(-even // CHUNK_ALIGN) * CHUNK_ALIGN)
+
+
 def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
                   device: torch.device, budget_bytes: int | None = None) -> int:
-    """Chunk tokens for this call; ``>= S`` means "do not chunk"."""
+    """Chunk tokens for this call; ``>= S`` means "do not chunk". "auto": the largest chunk the
+    budget allows, then evened out over the chunks it takes (:func:`balanced`); a token count is
+    taken as given."""
     setting = parse_chunk_setting(chunk_setting)
     if setting == "off" or S <= 0:
         return max(S, 0)
@@ -95,6 +107,6 @@ def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torc
         if budget_bytes is None:
             budget_bytes = auto_budget_bytes(device)
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        return plan_chunk(S, hidden, ffn, dtype_bytes, budget_bytes)
+        return balanced(S, plan_chunk(S, hidden, ffn, dtype_bytes, budget_bytes))
     return min(int(setting), S)
 

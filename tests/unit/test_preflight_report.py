@@ -154,16 +154,19 @@ def test_mlp_prediction_against_the_h200_measurement():
 
 
 def test_mlp_prediction_against_comfyuis_own_layers_on_the_h200():
-    """bench/results/mlp_comfy_h200*.json (bench/gpu_mlp_comfy.py: ComfyUI 0dd9b154's MLP and ops on
-    an H200, extra peak memory of one call): the prediction is never below the measurement; on
-    the quantised paths (fp8 _scaled_mm, int8) it is within 6 %, on bf16 (no input copies, SwiGLU
-    in place) it overestimates, by at most 1.6x."""
+    """bench/results/mlp_comfy_*h200*.json (bench/gpu_mlp_comfy.py: ComfyUI 0dd9b154's MLP and ops on
+    an H200, extra peak memory of one call; the earlier runs of the pack's mirror of ComfyUI's
+    layers, and of ComfyUI's own forward per chunk): the prediction is never below the
+    measurement; on the quantised paths (fp8 _scaled_mm, int8) it is within 6 %, on bf16 (no
+    input copies) it overestimates, by at most 1.6x. (The lowvram arm's peak also holds the
+    weights ComfyUI casts to the GPU, which are not the MLP's transients.)"""
     import json
 
     runs = []
-    for name in ("mlp_comfy_h200.json", "mlp_comfy_h200_run1.json"):
-        runs += json.loads((REPO / "bench" / "results" / name).read_text())["runs"]
-    assert {r["mode"] for r in runs} == {"fp8", "bf16", "int8"} and len(runs) >= 54
+    for path in sorted((REPO / "bench" / "results").glob("mlp_comfy_*h200*.json")):
+        runs += [r for r in json.loads(path.read_text())["runs"]
+                 if r["mode"] in ("fp8", "bf16", "int8") and r["variant"] != "per_chunk"]
+    assert {r["mode"] for r in runs} == {"fp8", "bf16", "int8"} and len(runs) >= 72
     for r in runs:
         ratio = pf.mlp_transient_bytes(r["S"], r.get("chunk_tokens", r["S"])) / r["peak_extra_bytes"]
         top = 1.6 if r["mode"] == "bf16" else 1.06
