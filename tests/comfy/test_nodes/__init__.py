@@ -1,6 +1,10 @@
 """Test-only ComfyUI custom nodes for SafeSage's headless-server tests (never shipped: the
 fixture symlinks this folder into the server's custom_nodes as `safesage_test_nodes`).
 
+SafeSageTestAttentionOverride puts an attention override on a model the way another pack (or
+core's ModelAttentionBackend, where a tree lacks it) does: ``override(func, *a, **k)`` running
+ComfyUI's own attention_pytorch.
+
 SafeSageTestSaveLatent writes every tensor of a LATENT (plain or nested, e.g. MiniMax H3's
 audio-video latent, which core SaveLatent cannot save) to
 <output>/safesage_test/<name>.safetensors as t0, t1, ... and reports the file in its UI output.
@@ -33,4 +37,26 @@ class SafeSageTestSaveLatent:
         return {"ui": {"safesage_latent": [{"path": path, "count": len(tensors)}]}}
 
 
-NODE_CLASS_MAPPINGS = {"SafeSageTestSaveLatent": SafeSageTestSaveLatent}
+class SafeSageTestAttentionOverride:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "_for_testing/safesage"
+
+    def patch(self, model):
+        import comfy.ldm.modules.attention as att
+        pytorch = att.attention_pytorch
+
+        def another_packs_override(func, *args, **kwargs):
+            return pytorch(*args, **kwargs)
+
+        m = model.clone()
+        m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = another_packs_override
+        return (m,)
+
+
+NODE_CLASS_MAPPINGS = {"SafeSageTestSaveLatent": SafeSageTestSaveLatent,
+                       "SafeSageTestAttentionOverride": SafeSageTestAttentionOverride}

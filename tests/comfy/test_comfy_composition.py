@@ -1,0 +1,76 @@
+"""SafeSage composed with other model patches in a real headless ComfyUI (CPU, tiny SD2 UNet).
+
+Without sageattention no call goes to a guarded kernel, so every composition must give exactly the
+latent of the same graph without SafeSage:
+* two SafeSage nodes in a row (the second replaces the first, keeping what it chained);
+* another attention override -- core's ModelAttentionBackend where the tree has it (783545f6 and
+  later), and always the test pack's own (another pack's closure running attention_pytorch) --
+  before SafeSage: it is chained, so the calls SafeSage does not guard run it; after SafeSage: it
+  replaces SafeSage's override, as it replaces any other -- the latent is then that override's.
+The chain is also checked through SafeSage's counters: attention calls go through SafeSage only
+where it is the override on the model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from comfy_graphs import SAFESAGE_DEFAULTS, saved_latents, sd2_graph, stats_delta
+
+
+def _chain(unet, seed, name, nodes):
+    """sd2_graph with `nodes` (class_type, extra inputs) between the loader and the sampler."""
+    g = sd2_graph(unet, seed, name)
+    ref = ["1", 0]
+    for i, (cls, inputs) in enumerate(nodes):
+        nid = str(30 + i)
+        g[nid] = {"class_type": cls, "inputs": {"model": ref, **inputs}}
+        ref = [nid, 0]
+    g["5"]["inputs"]["model"] = ref
+    return g
+
+
+SAFESAGE = ("SafeSageAttention", SAFESAGE_DEFAULTS)
+
+
+def test_two_safesage_nodes_in_a_row(comfy, tiny_sd2, seed_counter):
+    unet = os.path.basename(tiny_sd2["path"])
+    seed = seed_counter()
+    (plain,) = saved_latents(comfy.run(_chain(unet, seed, "two_plain", [])))
+    before = comfy.safesage_stats()
+    (twice,) = saved_latents(comfy.run(_chain(unet, seed, "two_safesage", [SAFESAGE, SAFESAGE])))
+    after = comfy.safesage_stats()
+    assert torch.equal(twice, plain)
+    # one override on the model: each attention call counted once, not twice
+    assert stats_delta(before, after, "attention_calls") == tiny_sd2["attention_calls_per_forward"]
+
+
+def _other_overrides(comfy):
+    info = comfy.object_info()
+    out = [("SafeSageTestAttentionOverride", {})]
+    if "ModelAttentionBackend" in info:            # core's, 783545f6 and later
+        out.append(("ModelAttentionBackend", {"attention": "pytorch attention"}))
+    return out
+
+
+def test_another_attention_override_before_and_after_safesage(comfy, tiny_sd2, seed_counter):
+    unet = os.path.basename(tiny_sd2["path"])
+    for backend in _other_overrides(comfy):
+        _before_and_after(comfy, unet, backend, seed_counter(), tiny_sd2["attention_calls_per_forward"])
+
+
+def _before_and_after(comfy, unet, backend, seed, per_forward):
+    tag = backend[0]
+    (alone,) = saved_latents(comfy.run(_chain(unet, seed, f"{tag}_alone", [backend])))
+    before = comfy.safesage_stats()
+    (chained,) = saved_latents(comfy.run(_chain(unet, seed, f"{tag}_then_safesage", [backend, SAFESAGE])))
+    mid = comfy.safesage_stats()
+    (replaced,) = saved_latents(comfy.run(_chain(unet, seed, f"safesage_then_{tag}", [SAFESAGE, backend])))
+    after = comfy.safesage_stats()
+    assert torch.equal(chained, alone) and torch.equal(replaced, alone), tag
+    assert stats_delta(before, mid, "attention_calls") == per_forward, tag
+    assert stats_delta(mid, after, "attention_calls") == 0, f"{tag} after SafeSage replaces its override"
