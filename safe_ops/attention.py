@@ -25,7 +25,7 @@ from .budget import BudgetReader
 from .comfy_call import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
                          unguarded_kind)
 from .envelope import FAMILIES, AttnCall, check
-from .executor import Executor, is_cuda_error, is_oom
+from .executor import Executor, is_build_error, is_cuda_error, is_oom
 from .kernels import SDPA_KERNEL, Kernel, installed_kernels
 from .planner import Plan, choose
 from .policy import Policy
@@ -239,9 +239,11 @@ class SafeAttention:
                 log.warning("SafeSage: %s ran out of memory: %s", plan.kernel, e)
                 return self._fall_back(p, plan, f"{plan.kernel} ran out of memory (plan: "
                                        f"{plan.describe(False)})", scope="call")
-            # A sage build that imports but raises when called (a missing sm90 extension, a
-            # build for another GPU) has launched nothing: recompute, drop the family.
-            return self._fall_back(p, plan, f"{plan.kernel} raised {type(e).__name__}: {e}", scope="family")
+            # A sage build that imports but cannot run here (a missing sm90 extension, a build
+            # for another GPU) has launched nothing: recompute, drop the family. Anything else
+            # drops nothing beyond this call: one odd call never disables a kernel.
+            return self._fall_back(p, plan, f"{plan.kernel} raised {type(e).__name__}: {e}",
+                                   scope="family" if is_build_error(e) else "call")
         ck = p.class_keys.get(plan.kernel)
         if ck is None:
             ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
@@ -304,16 +306,16 @@ class SafeAttention:
     def _fall_back(self, p: "_Prepared", plan: Plan, why: str, scope: str = "class") -> None:
         """This call goes to ComfyUI's own attention (returns None for the caller to run it).
         ``scope``: "class" (failed probe: the verifier keeps the family off this class of call),
-        "family" (raised at call time: off every call in this process), "call" (out of memory:
-        this call only)."""
+        "family" (its build cannot run here: off every call in this process), "call" (out of
+        memory, or any other error of one call: this call only)."""
         fam = plan.kernel
         if scope == "family":
             self.broken[fam] = why
             report.count("kernel_errors")
         if scope == "call":
             p.run = None                 # under the compiler: choose again at the next call
-            report.count("oom_fallbacks")
-            report.once(("kernel-oom", fam, p.shape_key), logging.WARNING,
+            report.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")
+            report.once(("kernel-call", fam, p.shape_key, why[:80]), logging.WARNING,
                         "SafeSage: %s for %s; this call is recomputed with ComfyUI's own attention.", why,
                         p.shape_key)
         else:

@@ -7,6 +7,7 @@ reads those forms (3-d ``[B,S,H*D]`` or, with ``skip_reshape``, 4-d ``[B,H,S,D]`
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,7 +63,11 @@ def normalise(args: tuple, kwargs: dict) -> Normalised:
     Tensor = torch.Tensor
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         raise UnsupportedCall("q, k and v must be tensors")
-    if not isinstance(heads, int) or heads < 1:
+    try:
+        heads = operator.index(heads)        # an int, or an integer-like such as numpy.int64
+    except TypeError:
+        raise UnsupportedCall(f"heads must be a positive int, got {heads!r}") from None
+    if isinstance(heads, bool) or heads < 1:
         raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
     dq = q.get_device()                      # an int: cheaper than building torch.device objects
     if dq != k.get_device() or dq != v.get_device():
@@ -86,7 +91,8 @@ def normalise(args: tuple, kwargs: dict) -> Normalised:
         kh = k.unflatten(-1, (k.shape[-1] // d, d)).transpose(1, 2)
         vh = v.unflatten(-1, (v.shape[-1] // d, d)).transpose(1, 2)
         layout = "NHD"
-    if qh.shape[0] != kh.shape[0] or kh.shape[:3] != vh.shape[:3] or qh.shape[3] != kh.shape[3]:
+    if (qh.shape[0] != kh.shape[0] or kh.shape[:3] != vh.shape[:3] or qh.shape[3] != kh.shape[3]
+            or vh.shape[3] != qh.shape[3]):
         raise UnsupportedCall(f"mismatched shapes q{tuple(qh.shape)} k{tuple(kh.shape)} v{tuple(vh.shape)}")
     if kh.shape[1] == 0 or qh.shape[1] % kh.shape[1]:
         raise UnsupportedCall(f"q heads {qh.shape[1]} not a multiple of kv heads {kh.shape[1]}")

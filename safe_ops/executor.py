@@ -5,8 +5,6 @@ call (comfy_call.py) and executes it with the kernel adapters (kernels.py).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 
 from .comfy_call import Normalised
@@ -28,6 +26,18 @@ def is_cuda_error(e: BaseException) -> bool:
     recomputing, so it must propagate."""
     msg = str(e)
     return any(s in msg for s in _STICKY_CUDA_ERRORS)
+
+
+# A kernel build that cannot run on this GPU at all: nothing was launched, and nothing will be
+# (sage's "SM90 kernel is not available", CUDA's "no kernel image", a missing extension).
+_BUILD_ERRORS = ("is not available", "no kernel image", "invalid device function", "not compiled",
+                 "No module named", "undefined symbol")
+
+
+def is_build_error(e: BaseException) -> bool:
+    """The kernel's build cannot run here (every call would fail the same way)."""
+    msg = str(e)
+    return isinstance(e, (ImportError, NotImplementedError)) or any(s in msg for s in _BUILD_ERRORS)
 
 
 def is_oom(e: BaseException) -> bool:

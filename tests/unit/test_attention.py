@@ -779,3 +779,38 @@ def test_probe_out_of_memory_is_inconclusive_not_a_failed_prompt(monkeypatch, ca
     monkeypatch.setattr(A, "compare", real)
     att(raw, q, k, v, 4, skip_reshape=True)                       # checked again, now it can
     assert report.STATS["probes"] == 1 and len(kern.launches) == 2
+
+
+def test_an_odd_error_of_one_call_disables_nothing(caplog):
+    """A kernel raising something that is not a build problem falls back for that call only: the
+    family stays in use for the next call (one malformed call never disables a kernel)."""
+    comfy = ComfyFunc()
+    calls = []
+
+    def picky(q, k, v, layout, scale):
+        calls.append(q.shape[2])
+        if len(calls) == 1:
+            raise ValueError("some shape this kernel did not expect")
+        return reference(q, k, v, scale).to(q.dtype)
+
+    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(toy_envelope(), picky, 0.05)], rt=CPU_RT)
+    q, k, v = h3_like(100)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert not att.broken and report.STATS["call_fallbacks"] == 1 and len(comfy.calls) == 1
+    att(comfy, q, k, v, 4, skip_reshape=True)
+    assert len(calls) == 2 and len(comfy.calls) == 1, "the kernel runs the next call"
+
+
+def test_malformed_calls_are_comfys_and_integer_like_heads_are_read():
+    import numpy as np
+    comfy = ComfyFunc()
+    att, kern = make_attn()
+    q, k = torch.randn(1, 4, 30, 16), torch.randn(1, 4, 30, 16)
+    v = torch.randn(1, 4, 30, 32)                           # another head dim for V
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)   # ComfyUI's own function runs it
+    assert out.shape == (1, 4, 30, 32) and not kern.launches and len(comfy.calls) == 1 and not att.broken
+    q, k, v = h3_like(100)
+    out = att(raw, q, k, v, np.int64(4), skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert len(kern.launches) == 1, "numpy's int heads is planned like an int"
