@@ -38,7 +38,8 @@ TIP_MLP_CHUNKING = (
     "MiniMax H3 only; other models are not touched. Runs each block's MLP (fc1, SiLU gate, fc2) "
     "over the tokens in chunks instead of all at once, which cuts its peak VRAM at long video "
     "lengths from many GiB to a few, with the same result. "
-    "auto: 16,384 tokens per chunk, fewer when free GPU memory is short. "
+    "auto: at most 16,384 tokens per chunk (fewer when free GPU memory is short), evened out over the "
+    "chunks a call needs. "
     "tokens: fixed chunks of mlp_chunk_tokens tokens. "
     "off: ComfyUI's own unchunked MLP."
 )
