@@ -224,7 +224,7 @@ class SafeAttention:
         if p is None:
             p = self._prepared[key] = self._prepare(n, func)
         plan = self._within_budget(p, q.device)
-        report.STATS[p.count_key if plan is p.plan else f"plan:{plan.kind}"] += 1
+        report.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
         if plan.kind == "sdpa":
             if plan.reasons:       # not a guarded kernel because none could run it
                 report.fallback("; ".join(plan.reasons), p.shape_key)
@@ -311,7 +311,10 @@ class SafeAttention:
         fam = plan.kernel
         if scope == "family":
             self.broken[fam] = why
+            report.disabled(fam, why)
             report.count("kernel_errors")
+        elif scope == "class":
+            report.failed_check(f"{fam} {p.shape_key}", why)
         if scope == "call":
             p.run = None                 # under the compiler: choose again at the next call
             report.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")

@@ -814,3 +814,33 @@ def test_malformed_calls_are_comfys_and_integer_like_heads_are_read():
     out = att(raw, q, k, v, np.int64(4), skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert len(kern.launches) == 1, "numpy's int heads is planned like an int"
+
+
+def test_disabled_families_and_failed_checks_are_in_the_stats():
+    """What the node's /safesage/stats shows: a family switched off for the process (its build
+    cannot run here) and a class of call whose check failed, each with why."""
+    def not_here(q, k, v, layout, scale):
+        raise RuntimeError("SM90 kernel is not available. Make sure you GPUs with compute capability 9.0.")
+    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(toy_envelope(), not_here, 0.05)],
+                        rt=CPU_RT)
+    q, k, v = h3_like(100)
+    att(ComfyFunc(), q, k, v, 4, skip_reshape=True)
+    att2, _ = make_attn(policy=Policy(kernel="sage", verify="first"), corrupt=corrupt_tail)
+    q2, k2, v2 = (torch.randn(1, 4, 128, 16) for _ in range(3))
+    att2(ComfyFunc(), q2, k2, v2, 4, skip_reshape=True)
+    snap = report.snapshot()
+    assert "SM90 kernel is not available" in snap["disabled_families"]["toy_sage"]
+    (cls, why), = snap["failed_checks"].items()
+    assert cls.startswith("toy_sage float32 q(1, 4, 128, 16)") and "failed verification" in why
+    report.reset()
+    assert report.snapshot()["disabled_families"] == {} and report.snapshot()["failed_checks"] == {}
+
+
+def test_per_shape_entries_are_bounded(monkeypatch):
+    monkeypatch.setattr(report, "MAX_KEYS", 3)
+    for i in range(10):
+        report.remember_plan(f"shape {i}", "plan")
+        report.fallback(f"reason {i}")
+    snap = report.snapshot()
+    assert list(snap["plans"]) == ["shape 7", "shape 8", "shape 9"]
+    assert list(snap["fallback_reasons"]) == ["reason 7", "reason 8", "reason 9"] and snap["fallbacks"] == 10
