@@ -78,6 +78,7 @@ class SafeAttention:
         self._layer_fn_ids = {id(f) for f in self.layer_functions.values()}
         self._prepared: dict[tuple, _Prepared] = {}
         self._comfy_fns: dict[int, tuple] = {}      # id(func) -> (func, what runs in its place)
+        self._caps: dict = {}                        # device index -> compute capability
         self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
         self._budget_reader = BudgetReader()
         self.executor = Executor(self.kernels, policy.debug_sync)
@@ -222,6 +223,11 @@ class SafeAttention:
                n.caller_layout, n.mask is None, id(func), n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
+            if not self._same_gpu(q.device):
+                report.count("plan:other_gpu")
+                report.fallback(f"a call on {q.device}, another kind of GPU than the one SafeSage's kernels were "
+                                f"chosen for ({self.rt.arch_name}): ComfyUI's own attention")
+                return None
             p = self._prepared[key] = self._prepare(n, func)
         plan = self._within_budget(p, q.device)
         report.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
@@ -250,6 +256,16 @@ class SafeAttention:
         if self.verifier.needs_probe(ck):
             out = self._verify(p, plan, ck, n, out)
         return out
+
+    def _same_gpu(self, device: torch.device) -> bool:
+        """Whether ``device`` is the kind of GPU the runtime (and so every envelope and kernel here)
+        was read from: a second, different GPU in the process gets ComfyUI's own attention."""
+        if device.type != "cuda" or self.rt.arch is None:
+            return True
+        cap = self._caps.get(device.index)
+        if cap is None:
+            cap = self._caps[device.index] = tuple(torch.cuda.get_device_capability(device))
+        return cap == tuple(self.rt.arch)
 
     def _describe(self, n: Normalised) -> AttnCall:
         q, k, v = n.q, n.k, n.v
