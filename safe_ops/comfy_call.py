@@ -144,9 +144,7 @@ def unguarded_kind(fn: Any) -> str | None:
     if fn is None or getattr(fn, "_safesage_guarded", False):
         return None
     att = _comfy_attention_module()
-    cands = [fn, getattr(fn, "__wrapped__", None)]
-    cands += [c.cell_contents for c in (getattr(fn, "__closure__", None) or ())
-              if callable(getattr(c, "cell_contents", None))] if _has_cells(fn) else []
+    cands = [fn, getattr(fn, "__wrapped__", None)] + _closed_over(fn)
     for c in cands:
         if c is None:
             continue
@@ -162,11 +160,17 @@ def unguarded_kind(fn: Any) -> str | None:
     return None
 
 
-def _has_cells(fn) -> bool:
-    try:
-        return bool(getattr(fn, "__closure__", None))
-    except Exception:  # pragma: no cover
-        return False
+def _closed_over(fn) -> list:
+    """The callables ``fn`` closes over (one level; empty cells skipped)."""
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:           # an empty cell
+            continue
+        if callable(value):
+            out.append(value)
+    return out
 
 
 def _is_comfy_own(fn, att) -> bool:

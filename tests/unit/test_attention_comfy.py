@@ -204,3 +204,15 @@ def test_a_layer_gets_the_kernel_it_asked_for_guarded(comfy_attention):
     att(func, q, k, v, 4, mask=torch.zeros(1, 1, 100, 100), skip_reshape=True,
         transformer_options={"block_index": 3})
     assert len(ck_k.launches) == 1 and len(sage_k.launches) == 1 and len(comfy_attention.pytorch.calls) == 1
+
+
+def test_an_override_with_an_empty_closure_cell_is_read():
+    def make():
+        def override(func, *a, **k):
+            return later(*a, **k)          # noqa: F821 -- 'later' is bound after: an empty cell now
+        cells = override.__closure__
+        assert cells is not None
+        return override
+    later = None                           # noqa: F841
+    del later
+    assert unguarded_kind(make()) is None
