@@ -114,7 +114,7 @@ class SafeAttention:
         elif func is not None:
             choice = unguarded_kind(func)
         else:
-            choice = comfy_attention_choice(None)
+            choice = comfy_attention_choice()
         return auto_order(self.rt.arch_name, sage, choice)[0]
 
     def _budget(self, device: torch.device) -> int | None:

@@ -200,17 +200,11 @@ def measured_order(arch_name: str, families: list[str]) -> list[str] | None:
 
 
 # ------------------------------------------------------------------ auto's order
-def comfy_attention_choice(func_name: str | None = None) -> str | None:
-    """What ComfyUI itself was configured to run: "sage", "ck" (comfy-kitchen int8) or None
-    (PyTorch/other). From the name of the attention function ComfyUI handed to the override
-    (``attention_sage``, ``attention_comfy_kitchen_int8``) when given, else from ComfyUI's
-    flags if ComfyUI is loaded (``--use-sage-attention``, ``--use-ck-attention``)."""
-    if func_name is not None:
-        if "sage" in func_name:
-            return "sage"
-        if "kitchen" in func_name:
-            return "ck"
-        return None
+def comfy_attention_choice() -> str | None:
+    """What ComfyUI itself was configured to run, from its flags if ComfyUI is loaded
+    (``--use-sage-attention``, ``--use-ck-attention``): "sage", "ck" (comfy-kitchen int8) or None
+    (PyTorch/other). Per call, the function ComfyUI hands the override says it instead
+    (comfy_call.unguarded_kind)."""
     mm = sys.modules.get("comfy.model_management")
     fn = getattr(mm, "sage_attention_enabled", None)
     try:

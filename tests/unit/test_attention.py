@@ -596,10 +596,15 @@ def test_plan_follows_the_budget_when_free_memory_moves():
 
 
 def test_auto_order_and_explanation(monkeypatch):
-    from safe_ops.runtime import auto_order, comfy_attention_choice, explain_auto
-    assert comfy_attention_choice("attention_sage") == "sage"
-    assert comfy_attention_choice("attention_comfy_kitchen_int8") == "ck"
-    assert comfy_attention_choice("attention_pytorch") is None
+    from safe_ops.comfy_call import unguarded_kind
+    from safe_ops.runtime import auto_order, explain_auto
+
+    def attention_sage(): pass                       # noqa: E704 -- other packs' functions: by name
+    def attention_comfy_kitchen_int8(): pass         # noqa: E704
+    def attention_pytorch(): pass                    # noqa: E704
+    assert unguarded_kind(attention_sage) == "sage"
+    assert unguarded_kind(attention_comfy_kitchen_int8) == "ck"
+    assert unguarded_kind(attention_pytorch) is None
     fams = ["sage2_sm120_fp8pv", "ck_int8"]
     assert auto_order("sm_120", fams, "ck")[0][:2] == ["ck_int8", "sdpa"]
     assert auto_order("sm_120", fams, "sage")[0][:2] == ["sage2_sm120_fp8pv", "sdpa"]
@@ -664,16 +669,21 @@ def test_comfy_flags_name_the_configured_kernel(monkeypatch):
     import types
 
     from safe_ops.runtime import comfy_attention_choice
-    assert comfy_attention_choice(None) is None                      # ComfyUI not loaded
+    assert comfy_attention_choice() is None                          # ComfyUI not loaded
     cli = types.ModuleType("comfy.cli_args")
     cli.args = types.SimpleNamespace(use_ck_attention=True)
     monkeypatch.setitem(sys.modules, "comfy.cli_args", cli)
-    assert comfy_attention_choice(None) == "ck"
+    assert comfy_attention_choice() == "ck"
     mm = types.ModuleType("comfy.model_management")
     mm.sage_attention_enabled = lambda: True
     monkeypatch.setitem(sys.modules, "comfy.model_management", mm)
-    assert comfy_attention_choice(None) == "sage"
-    assert comfy_attention_choice("attention_pytorch") is None       # the function ComfyUI passed wins
+    assert comfy_attention_choice() == "sage"
+
+    def attention_pytorch(*a, **k): pass             # noqa: E704
+    sage_rt = Runtime("t", None, "RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None, None, None, None)
+    att = SafeAttention(Policy(kernel="auto"), kernels=[Kernel(toy_envelope("sage2_sm120_fp8pv"), None)], rt=sage_rt)
+    assert att.candidates(None)[0] == "sage2_sm120_fp8pv"            # no function: the flags
+    assert att.candidates(attention_pytorch)[0] == "sdpa"            # the function ComfyUI passed wins
 
 
 def test_budget_replan_to_sdpa_is_a_counted_fallback_and_verifies_nothing():
