@@ -9,7 +9,7 @@ import torch
 
 from .comfy_call import Normalised
 from .streams import StreamHop
-from .kernels import Kernel, _sdpa_fn
+from .kernels import Kernel
 from .planner import Plan
 from . import report
 
@@ -54,7 +54,8 @@ class Executor:
         self.debug_sync = debug_sync
 
     def run(self, plan: Plan, n: Normalised) -> torch.Tensor:
-        """Execute ``plan``; returns the result as an HND [B,H,Sq,D] tensor (maybe a view).
+        """Execute ``plan`` (a guarded kernel's: an ``sdpa`` plan is ComfyUI's own attention, which
+        attention.SafeAttention runs itself); returns the result as an HND [B,H,Sq,D] tensor.
 
         Same stream (Triton sage, SDPA): the caching allocator already orders the
         reuse of every temporary after the kernels enqueued on that stream, so a
@@ -106,8 +107,6 @@ class Executor:
 
     def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised) -> torch.Tensor:
         q, k, v = n.q, n.k, n.v
-        if plan.kind == "sdpa":
-            return _sdpa_fn(q, k, v, "HND", n.scale, n.mask)
         B, H, Sq, D = q.shape
         Skv = k.shape[2]
         g = plan.head_group or H
