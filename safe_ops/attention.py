@@ -47,6 +47,7 @@ class _Prepared:
     class_keys: dict                  # kernel family -> verifier class key of this call
     tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
     run: tuple | None = None          # under ComfyUI's compiler: (run id, plan) kept for the run
+    previous_viol: list | None = None  # the chained override's kernel's violations by this call
 
 class SafeAttention:
     """Callable installed as ``transformer_options["optimized_attention_override"]``.
@@ -200,8 +201,14 @@ class SafeAttention:
         env = FAMILIES.get(fam) if fam else None
         if env is None:
             return False            # no such kernel usable here: nothing of its limits to judge
-        call = self._describe(n)
-        viol = check(call, env)
+        p = n.prepared
+        call = p.call if p is not None else self._describe(n)
+        if p is None or p.previous_viol is None:
+            viol = check(call, env)           # once per call signature
+            if p is not None:
+                p.previous_viol = viol
+        else:
+            viol = p.previous_viol
         if not viol:
             return False
         report.count("previous_overruled")
@@ -229,6 +236,7 @@ class SafeAttention:
                                 f"chosen for ({self.rt.arch_name}): ComfyUI's own attention")
                 return None
             p = self._prepared[key] = self._prepare(n, func)
+        n.prepared = p
         plan = self._within_budget(p, q.device)
         report.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
         if plan.kind == "sdpa":

@@ -35,6 +35,7 @@ class Normalised:
     caller_layout: str       # the layout ComfyUI's own sage path would use
     skip_output_reshape: bool
     low_precision_ok: bool = True   # False: the model asked for full-precision attention
+    prepared: Any = None            # what attention.SafeAttention worked out for this call signature
 
     def finish(self, out_hnd: torch.Tensor) -> torch.Tensor:
         """Shape the [B,H,Sq,D] result the way ComfyUI's attention functions return it."""

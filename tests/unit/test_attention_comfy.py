@@ -216,3 +216,22 @@ def test_an_override_with_an_empty_closure_cell_is_read():
     later = None                           # noqa: F841
     del later
     assert unguarded_kind(make()) is None
+
+
+def test_the_chained_overrides_limits_are_checked_once_per_call_signature(comfy_attention, monkeypatch):
+    import safe_ops.attention as A
+    env = toy_envelope(family="toy_sage_checked")
+    monkeypatch.setitem(FAMILIES, env.family, env)
+    rt = CPU_RT.__class__(**{**CPU_RT.__dict__, "sage_family": env.family})
+    checks = []
+    real = A.check
+    monkeypatch.setattr(A, "check", lambda call, e: checks.append(e.family) or real(call, e))
+
+    def sage_override(func, *a, **k):
+        return reference(*a[:3]).to(a[0].dtype)
+
+    att = SafeAttention(Policy(kernel="sdpa", verify="off"), kernels=[], rt=rt, previous=sage_override)
+    q, k, v = h3_like(100)
+    for _ in range(3):
+        att(comfy_attention.module.attention_sub_quad.__wrapped__, q, k, v, 4, skip_reshape=True)
+    assert checks == ["toy_sage_checked"]
