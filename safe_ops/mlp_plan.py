@@ -16,7 +16,10 @@ CHUNK_ALIGN = 256
 #: "auto" aims at this many tokens per chunk. Measured on an H200 through ComfyUI 0dd9b154's
 #: own ops (bench/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json, GPU busy as inside
 #: the model): the GEMMs of 6,912-token chunks run less efficiently than the whole sequence's
-#: (fp8 +2.8% to +3.4% over 38k-169k tokens); with 16,384-token chunks fp8 is +1.6% to +1.9%.
+#: (fp8 +2.8% to +3.4% over 38k-169k tokens); with 16,384-token chunks fp8 is +1.6% to +1.9%
+#: (the pack's earlier mirror of ComfyUI's layers). ComfyUI's own forward per chunk, chunks
+#: evened out (:func:`balanced`), 169k tokens: fp8 +1.6%, int8 -0.6%, bf16 +2.9%, extra peak
+#: -81% / -81% / -80% (bench/results/mlp_comfy_castonce_balanced_h200.json).
 AUTO_CHUNK_TOKENS = 16_384
 #: never plan a budget below this, even with little free memory
 

@@ -2,8 +2,9 @@
 
 Every step of an MLP is row independent in exact arithmetic, but a matmul backend may round a
 row differently depending on how many rows it was given (the CPU's BLAS picks kernels and
-blockings by M; seen here: fp32/fp16 at M = 1 and 513, while bf16 was row independent; another
-x86 CPU's MKL path differs by one bf16 ulp on some rows). So the tolerance between "all tokens"
+blockings by M. Seen with torch 2.13's CPU build on this project's machines: fp32/fp16 differ at
+M = 1 and 513 while bf16 was row independent; issue 18 reports an AMD EPYC (AVX2 MKL path) where
+a bf16 fc2 differs by one ulp on 2 of 300 rows). So the tolerance between "all tokens"
 and "token chunks" is derived from the two stages' own row-count sensitivity on this machine:
 
 * ``s1``: stage 1 (fc1) over all rows vs over the same chunks;
