@@ -56,3 +56,27 @@ def profile_table(fn, top: int = 14) -> tuple[float, list[dict]]:
             rows.append({"name": e.key[:120], "count": e.count, "ms": round(t / 1000.0, 3)})
     rows.sort(key=lambda r: -r["ms"])
     return round(sum(r["ms"] for r in rows), 3), rows[:top]
+
+
+def emulate_sage_arch(arch: str) -> list:
+    """sage 2.2.0's ``sageattn`` picks its kernels from ``core.get_cuda_arch_versions()``
+    (core.py:143): answer ``arch`` (e.g. "sm120") there, so a sage call runs exactly what it runs
+    on that GPU (for sm120: per_warp CUDA quantisers + sm89 FP8-PV kernels, fp32+fp16). Returns
+    the real answer."""
+    import sageattention.core as core
+    n = torch.cuda.device_count()
+    real = core.get_cuda_arch_versions()
+    core.get_cuda_arch_versions = lambda: [arch] * n
+    return real
+
+
+def emulated_runtime(arch: str):
+    """SafeSage's runtime as it would read on ``arch`` (the compute capability and the sage family
+    it dispatches to change; nothing else)."""
+    import dataclasses
+
+    import safe_ops.runtime as rtm
+    cap = (int(arch[2:-1]), int(arch[-1]))
+    real = rtm.runtime()
+    return dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
+                               sage_error=None if real.sage_version else real.sage_error)

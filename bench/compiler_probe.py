@@ -179,27 +179,21 @@ class Compiler:
                 "physical_bytes": g.physical_bytes}
 
 
-def _emulate(arch: str, torch):
-    """sage 2.2.0 picks its kernels from core.get_cuda_arch_versions(); SafeSage from its runtime."""
-    import dataclasses
-
-    import safe_ops.runtime as rtm
-    cap = (int(arch[2:-1]), int(arch[-1]))
+def _emulate(arch: str):
+    """sage 2.2.0 dispatches, and SafeSage plans, as on ``arch`` (bench/benchutil.py)."""
+    from benchutil import emulate_sage_arch, emulated_runtime
     try:
-        import sageattention.core as core
-        core.get_cuda_arch_versions = lambda: [arch] * torch.cuda.device_count()
-    except Exception:
+        emulate_sage_arch(arch)
+    except ImportError:            # no sageattention here (the PyTorch arms): nothing to dispatch
         pass
-    real = rtm.runtime()
-    return dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
-                               sage_error=None if real.sage_version else real.sage_error)
+    return emulated_runtime(arch)
 
 
 def child(a) -> None:
     arm = a.child
     torch, dev = _start_like_comfyui()
     import comfy_aimdo
-    sys.path[:0] = [os.path.abspath(a.comfy), ROOT]
+    sys.path[:0] = [os.path.abspath(a.comfy), ROOT, os.path.join(ROOT, "bench")]
     import comfy.cli_args
     comfy.cli_args.args.use_sage_attention = arm.endswith("sage")
     import comfy.ldm.minimax.model as h3
@@ -211,7 +205,7 @@ def child(a) -> None:
     comfy.model_prefetch.pause_malloc_graph = comp.pause_malloc_graph
     # what ComfyUI hands the override / runs: --use-sage-attention or its default on this GPU
     h3.optimized_attention = att.attention_sage if arm.endswith("sage") else att.attention_pytorch
-    rt = _emulate(a.emulate_arch, torch) if a.emulate_arch else None
+    rt = _emulate(a.emulate_arch) if a.emulate_arch else None
     step_now = [0]
     if a.free_gib and arm.startswith("safesage"):
         import safe_ops.budget

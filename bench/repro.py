@@ -190,27 +190,16 @@ class _RandomNoiseCopy:
 
 
 def _emulate_arch(arch: str, res) -> None:
-    """sage 2.2.0's ``sageattn`` picks its kernels from ``core.get_cuda_arch_versions()``
-    (core.py:143): answer ``arch`` there, so ComfyUI's own sage call runs exactly what it runs
-    on that GPU (for sm120: per_warp CUDA quantisers + sm89 FP8-PV kernels, fp32+fp16)."""
-    import sageattention.core as core
-    import torch
-    n = torch.cuda.device_count()
-    real = core.get_cuda_arch_versions()
-    core.get_cuda_arch_versions = lambda: [arch] * n
-    res.set(emulated_arch=arch, real_arch=real)
+    """ComfyUI's own sage call runs what it runs on ``arch`` (benchutil.emulate_sage_arch)."""
+    from benchutil import emulate_sage_arch
+    res.set(emulated_arch=arch, real_arch=emulate_sage_arch(arch))
 
 
 def _safesage_sees_arch(arch: str) -> None:
     """SafeSage plans for the emulated arch too (its runtime is the only thing that changes)."""
-    import dataclasses
-
     import safe_ops.patch
-    import safe_ops.runtime as rtm
-    cap = (int(arch[2:-1]), int(arch[-1]))
-    real = rtm.runtime()
-    fake = dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
-                               sage_error=None)
+    from benchutil import emulated_runtime
+    fake = emulated_runtime(arch)
     safe_ops.patch.runtime = lambda: fake
 
 
