@@ -154,7 +154,7 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("gpu_mlp_comfy: needs a CUDA GPU")
     import comfy.model_management  # noqa: F401  (GPU init as ComfyUI does)
-    from safe_ops import mlp, mlp_comfy, mlp_plan
+    from safe_ops import mlp, mlp_comfy, mlp_plan, report
     casts = CastCount()
     if not mlp_comfy.install():
         sys.exit("gpu_mlp_comfy: this ComfyUI has no comfy.ops.cast_bias_weight/uncast_bias_weight")
@@ -180,7 +180,7 @@ def main():
                 with torch.inference_mode():
                     x = torch.randn(1, S, HIDDEN, device=DEV, dtype=torch.bfloat16,
                                     generator=torch.Generator(device=DEV).manual_seed(S))
-                    stats = mlp.MlpStats()
+                    stats = report.Section("bench_mlp", mlp.MLP_COUNTERS)
                     fns = {"unpatched": lambda: type(m).forward(m, x)}
                     for c in chunks:
                         fns[f"chunked:{c}"] = (lambda c=c: mlp.h3_mlp_forward(m, x, mlp_plan.parse_chunk_setting(c),

@@ -183,6 +183,7 @@ class SafeAttention:
         hit = self._comfy_fns.get(id(func))
         if hit is None or hit[0] is not func:
             hit = self._comfy_fns[id(func)] = (func, comfy_function(func))
+            report.trim(self._comfy_fns)         # a pack may hand a new function per call
         return hit[1]
 
     def _run_comfy(self, func: Callable, args: tuple, kwargs: dict, n: Normalised | None) -> Any:
@@ -236,6 +237,7 @@ class SafeAttention:
                                 f"chosen for ({self.rt.arch_name}): ComfyUI's own attention")
                 return None
             p = self._prepared[key] = self._prepare(n, func)
+            report.trim(self._prepared)          # the newest signatures (the store's bound)
         n.prepared = p
         plan = self._within_budget(p, q.device)
         report.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")

@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from . import compiler, mlp_comfy
+from . import compiler, mlp_comfy, report
 from .mlp_plan import parse_chunk_setting, resolve_chunk
 
 log = logging.getLogger("SafeSage.mlp")
@@ -40,52 +38,18 @@ log = logging.getLogger("SafeSage.mlp")
 # ---------------------------------------------------------------------------------------
 # statistics
 # ---------------------------------------------------------------------------------------
-@dataclass
-class MlpStats:
-    calls: int = 0             # patched MLP forwards entered
-    chunked_calls: int = 0     # ... that ran chunked
-    passthrough: int = 0       # ... that ran ComfyUI's own forward because S fits one chunk
-    chunks: int = 0            # chunks executed
-    casts: int = 0             # ComfyUI casts of fc1/fc2 inside chunked calls (2 per call when memoised)
-    cast_reuses: int = 0       # ... and the chunks that got a memoised cast back instead
-    memo_dropped: int = 0      # calls whose memo was dropped (a cast buffer reused): cast per chunk
-    own_cast: int = 0          # calls with a layer that casts outside comfy.ops (e.g. GGUF): per chunk
-    fallbacks: dict = field(default_factory=dict)   # reason -> count (unchunked, counted)
-
-    def __post_init__(self):
-        self._lock = threading.Lock()
-        self._warned: set = set()
-
-    def bump(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-    def once_warning(self, msg: str) -> None:
-        with self._lock:
-            if msg in self._warned:
-                return
-            self._warned.add(msg)
-        log.warning("%s", msg)
-
-    def fallback(self, reason: str) -> None:
-        with self._lock:
-            self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
-        self.once_warning(f"SafeSage MLP: running ComfyUI's unchunked MLP ({reason})")
-
-    def reset(self) -> None:
-        with self._lock:
-            for name, f in self.__dataclass_fields__.items():
-                setattr(self, name, f.default_factory() if callable(f.default_factory) else f.default)
-            self._warned.clear()
-
-    def as_dict(self) -> dict:
-        with self._lock:
-            d = {name: getattr(self, name) for name in self.__dataclass_fields__}
-            d["fallbacks"] = dict(self.fallbacks)
-        return d
-
-
-MLP_STATS = MlpStats()
+# the MLP's counters, a section of the one store (report.snapshot()["mlp"])
+MLP_COUNTERS = (
+    "calls",            # patched MLP forwards entered
+    "chunked_calls",    # ... that ran chunked
+    "passthrough",      # ... that ran ComfyUI's own forward because S fits one chunk
+    "chunks",           # chunks executed
+    "casts",            # ComfyUI casts of fc1/fc2 inside chunked calls (2 per call when memoised)
+    "cast_reuses",      # ... and the chunks that got a memoised cast back instead
+    "memo_dropped",     # calls whose memo was dropped (a cast buffer reused): cast per chunk
+    "own_cast",         # calls with a layer that casts outside comfy.ops (e.g. GGUF): per chunk
+)
+MLP_STATS = report.Section("mlp", MLP_COUNTERS, "SafeSage MLP: running ComfyUI's unchunked MLP ({reason})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -205,7 +169,7 @@ def _unpatched(module, x):
 
 
 def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any = "auto",
-                   stats: MlpStats = MLP_STATS, budget_bytes: int | None = None) -> torch.Tensor:
+                   stats: report.Section = MLP_STATS, budget_bytes: int | None = None) -> torch.Tensor:
     """Replacement for an H3 ``MLP.forward``: ComfyUI's own forward per token chunk, each Linear
     cast once per call (mlp_comfy.cast_once); ComfyUI's unchunked forward where chunking is not
     needed or could change the numbers (counted, logged once per reason)."""

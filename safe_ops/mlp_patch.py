@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from . import mlp_comfy
+from . import mlp_comfy, report
 from .h3 import H3_MLP_CLASS, H3_MODEL_MODULE, find_h3_mlps, is_h3_model
-from .mlp import MLP_STATS, MlpStats, h3_mlp_forward
+from .mlp import MLP_STATS, h3_mlp_forward
 from .mlp_plan import parse_chunk_setting
 
 log = logging.getLogger("SafeSage.mlp")
@@ -23,7 +23,7 @@ class H3ChunkedMLPForward:
 
     _safesage_mlp = True
 
-    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any, stats: MlpStats = MLP_STATS):
+    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any, stats: report.Section = MLP_STATS):
         self.module = module
         self.path = path
         self.chunk_setting = parse_chunk_setting(chunk_setting)

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import report
+
 # Relative L2 error of each family on in-envelope random inputs, times a safety
 # margin (HAZARDS.md H-1/H-6, measured on an H200; see bench/results/).
 TOLERANCE = {
@@ -193,9 +195,13 @@ class Verifier:
             if prev is not None and not prev.ok:
                 return          # a failed class stays failed
             self._verdicts[key] = verdict
+            # bounded like every per-shape store: passed classes go first (at worst probed again)
+            report.trim(self._verdicts, expendable=lambda v: v.ok)
 
     def verdicts(self) -> dict:
-        return {"/".join(map(str, k)): (v.ok, round(v.error, 5)) for k, v in self._verdicts.items()}
+        with self._lock:
+            return {"/".join(map(str, k)): (v.ok, round(v.error, 5)) for k, v in self._verdicts.items()}
 
     def failed_families(self) -> set[str]:
-        return {k[0] for k, v in self._verdicts.items() if not v.ok}
+        with self._lock:
+            return {k[0] for k, v in self._verdicts.items() if not v.ok}

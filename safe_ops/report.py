@@ -1,20 +1,23 @@
 """Run statistics and log-once bookkeeping shared by every SafeSage component.
 
-Counters are process-wide (ComfyUI runs one model at a time per process) and
-cheap. Writers and ``snapshot()`` (the node's HTTP route, on the server thread) share one lock;
-what is kept per call shape (plans, failed checks, fallback reasons) keeps the newest
-``MAX_KEYS``. Kernel families switched off for the process are listed too.
+The one store of SafeSage's run statistics. Counters are process-wide (ComfyUI runs one model at
+a time per process) and cheap. Writers and ``snapshot()`` (the node's HTTP route, on the server
+thread) share one lock; what is kept per call shape (plans, failed checks, fallback reasons) keeps
+the newest ``MAX_KEYS``, and the log-once keys the newest ``MAX_LOG_KEYS``. Kernel families
+switched off for the process are listed too. A component with counters of its own (the MLP) gets a
+:class:`Section` of this store: its counters appear under its name in ``snapshot()``.
 """
 from __future__ import annotations
 
 import logging
 import threading
 from collections import Counter
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("SafeSage")
 
 MAX_KEYS = 256                          # per-shape entries kept (the newest)
+MAX_LOG_KEYS = 4 * MAX_KEYS             # log-once keys kept (an evicted one may log once more)
 
 _lock = threading.Lock()
 STATS: Counter = Counter()
@@ -22,13 +25,27 @@ FALLBACKS: Counter = Counter()          # reason -> count
 PLANS: dict[str, str] = {}              # shape key -> plan description (first seen)
 DISABLED: dict[str, str] = {}           # kernel family -> why it is not used again in this process
 FAILED_CHECKS: dict[str, str] = {}      # call class -> why its kernel failed the first-call check
-_logged: set = set()
+_SECTION_FALLBACKS: dict[str, Counter] = {}   # section -> reason -> count
+_logged: dict = {}                      # log-once keys (a dict keeps their insertion order)
 _extra: dict[str, Any] = {}
 
 
-def _bounded(d: dict) -> None:
-    while len(d) > MAX_KEYS:
+def _bounded(d: dict, keep: int | None = None) -> None:
+    keep = MAX_KEYS if keep is None else keep
+    while len(d) > keep:
         d.pop(next(iter(d)))
+
+
+def trim(d: dict, keep: int | None = None, expendable: Callable[[Any], bool] = lambda v: True) -> None:
+    """Bound a per-shape cache kept outside this module to ``keep`` (default ``MAX_KEYS``) entries
+    (the caller holds its own lock): drop the oldest ``expendable`` values first, then the oldest."""
+    keep = MAX_KEYS if keep is None else keep
+    over = len(d) - keep
+    if over <= 0:
+        return
+    for key in [k for k, v in d.items() if expendable(v)][:over]:
+        del d[key]
+    _bounded(d, keep)
 
 
 def count(key: str, n: int = 1) -> None:
@@ -62,9 +79,71 @@ def once(key: Any, level: int, msg: str, *args: Any) -> bool:
     with _lock:
         if key in _logged:
             return False
-        _logged.add(key)
+        _logged[key] = None
+        _bounded(_logged, MAX_LOG_KEYS)
     log.log(level, msg, *args)
     return True
+
+
+class Section:
+    """A component's own counters in this store, e.g. ``Section("mlp", ("calls", "chunks"))``:
+    ``snapshot()[name]`` is ``{counter: n for every declared counter, "fallbacks": {reason: n}}``.
+    Kept as ``STATS["<name>.<counter>"]``, under the store's lock, reset by ``reset()``."""
+
+    def __init__(self, name: str, counters: tuple[str, ...], fallback_log: str = "{reason}"):
+        self.name = name
+        self.counters = tuple(counters)
+        self.fallback_log = fallback_log        # the warning logged once per fallback reason
+        with _lock:
+            _SECTIONS[name] = self
+
+    def bump(self, counter: str, n: int = 1) -> None:
+        if counter not in self.counters:
+            raise KeyError(f"{self.name} has no counter {counter!r}")
+        count(f"{self.name}.{counter}", n)
+
+    def get(self, counter: str) -> int:
+        with _lock:
+            return int(STATS.get(f"{self.name}.{counter}", 0))
+
+    def __getattr__(self, name: str):
+        # ``section.chunks`` reads a counter, ``section.fallbacks`` the reasons
+        if name == "fallbacks":
+            with _lock:
+                return dict(_SECTION_FALLBACKS.get(self.name, {}))
+        if name in self.__dict__.get("counters", ()):
+            return self.get(name)
+        raise AttributeError(name)
+
+    def reset(self) -> None:
+        """Zero this section's counters and forget its fallback reasons (its log-once keys stay)."""
+        with _lock:
+            for c in self.counters:
+                STATS.pop(f"{self.name}.{c}", None)
+            _SECTION_FALLBACKS.pop(self.name, None)
+
+    def once_warning(self, msg: str) -> None:
+        once((self.name, msg), logging.WARNING, "%s", msg)
+
+    def fallback(self, reason: str) -> None:
+        """Count a fallback of this component; log it once per reason."""
+        with _lock:
+            c = _SECTION_FALLBACKS.setdefault(self.name, Counter())
+            c[reason] += 1
+            _bounded(c)
+        self.once_warning(self.fallback_log.format(reason=reason))
+
+    def _as_dict(self) -> dict:          # the caller holds the lock
+        d = {c: int(STATS.get(f"{self.name}.{c}", 0)) for c in self.counters}
+        d["fallbacks"] = dict(_SECTION_FALLBACKS.get(self.name, {}))
+        return d
+
+    def as_dict(self) -> dict:
+        with _lock:
+            return self._as_dict()
+
+
+_SECTIONS: dict[str, Section] = {}
 
 
 def remember_plan(key: str, description: str) -> None:
@@ -78,15 +157,15 @@ def remember_plan(key: str, description: str) -> None:
 
 
 def set_info(name: str, value: Any) -> None:
-    _extra[name] = value
+    with _lock:
+        _extra[name] = value
 
 
 def snapshot() -> dict:
-    from .mlp import MLP_STATS
     with _lock:
         return {
-            "mlp": MLP_STATS.as_dict(),
-            **{k: int(v) for k, v in STATS.items()},
+            **{name: sec._as_dict() for name, sec in _SECTIONS.items()},
+            **{k: int(v) for k, v in STATS.items() if "." not in k},
             "attention_calls": int(STATS.get("attention_calls", 0)),
             "fallbacks": int(STATS.get("fallbacks", 0)),
             "fallback_reasons": dict(FALLBACKS),
@@ -105,4 +184,5 @@ def reset() -> None:
         PLANS.clear()
         DISABLED.clear()
         FAILED_CHECKS.clear()
+        _SECTION_FALLBACKS.clear()
         _logged.clear()

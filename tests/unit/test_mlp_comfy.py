@@ -59,7 +59,7 @@ if getattr(comfy.ops, "linear_input_act", None) is None:  # pragma: no cover
     pytest.skip("this ComfyUI has no comfy.ops.linear_input_act", allow_module_level=True)
 
 from safe_ops import h3 as h3_facts
-from safe_ops import mlp, mlp_comfy, mlp_patch
+from safe_ops import mlp, mlp_comfy, mlp_patch, report
 
 from rowcount import assert_within, mlp_tolerance, per_chunk
 
@@ -170,7 +170,9 @@ def _check(y, m, x, chunk, tag=""):
 
 @pytest.fixture
 def stats():
-    return mlp.MlpStats()
+    s = report.Section("test_mlp", mlp.MLP_COUNTERS)
+    s.reset()
+    return s
 
 
 @pytest.fixture(autouse=True)

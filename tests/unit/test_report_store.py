@@ -1,0 +1,127 @@
+"""report.py is SafeSage's one store of run statistics: every component's counters (the MLP's as a
+Section), locked against the server thread's snapshot(), and every per-shape cache bounded."""
+import logging
+import threading
+
+import pytest
+import torch
+
+from safe_ops import mlp, report
+from safe_ops.attention import SafeAttention
+from safe_ops.policy import Policy
+from safe_ops.probe import Verdict, Verifier
+from safe_ops.runtime import Runtime
+
+CPU_RT = Runtime("test", None, None, None, None, None, "test", None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def _clean_store():
+    report.reset()
+    yield
+    report.reset()
+
+
+def test_the_mlp_counts_into_the_one_store():
+    mlp.MLP_STATS.bump("chunks", 5)
+    mlp.MLP_STATS.bump("chunked_calls")
+    mlp.MLP_STATS.fallback("autograd enabled")
+    mlp.MLP_STATS.fallback("autograd enabled")
+    snap = report.snapshot()
+    assert snap["mlp"]["chunks"] == 5 and snap["mlp"]["chunked_calls"] == 1 and snap["mlp"]["casts"] == 0
+    assert snap["mlp"]["fallbacks"] == {"autograd enabled": 2}
+    assert set(snap["mlp"]) == set(mlp.MLP_COUNTERS) | {"fallbacks"}
+    assert not [k for k in snap if "." in k], "a section's counters appear only under its name"
+    assert snap["fallbacks"] == 0, "an MLP fallback is not an attention fallback"
+    assert mlp.MLP_STATS.chunks == 5 and mlp.MLP_STATS.fallbacks == {"autograd enabled": 2}
+    report.reset()
+    assert report.snapshot()["mlp"]["chunks"] == 0 and report.snapshot()["mlp"]["fallbacks"] == {}
+
+
+def test_a_section_logs_each_fallback_reason_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="SafeSage"):
+        for _ in range(3):
+            mlp.MLP_STATS.fallback("comfy in_training")
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs == ["SafeSage MLP: running ComfyUI's unchunked MLP (comfy in_training)"]
+
+
+def test_a_section_refuses_an_undeclared_counter():
+    with pytest.raises(KeyError):
+        mlp.MLP_STATS.bump("chunk")          # a typo must not become a silent new counter
+
+
+def test_snapshot_is_consistent_while_writers_run():
+    """The server thread reads snapshot() while the sampler counts; no lost update, no
+    'dictionary changed size during iteration'."""
+    n, errors, stop = 20_000, [], threading.Event()
+
+    def writer(i):
+        for j in range(n):
+            report.count("attention_calls")
+            if j % 100 == 0:
+                report.remember_plan(f"shape {i} {j}", "plan")   # grows the per-shape dicts
+
+    def reader():
+        while not stop.is_set():
+            try:
+                report.snapshot()
+            except Exception as e:          # noqa: BLE001 -- any failure is the finding
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
+    r = threading.Thread(target=reader)
+    r.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    r.join()
+    assert not errors
+    assert report.snapshot()["attention_calls"] == 2 * n
+
+
+def test_log_once_keys_are_bounded(monkeypatch):
+    monkeypatch.setattr(report, "MAX_LOG_KEYS", 3)
+    assert all(report.once(("k", i), logging.DEBUG, "m") for i in range(4))
+    assert not report.once(("k", 3), logging.DEBUG, "m"), "a kept key does not log again"
+    assert report.once(("k", 0), logging.DEBUG, "m"), "the oldest key was forgotten"
+    assert len(report._logged) == 3
+
+
+def _verdict(ok):
+    return Verdict(ok, 0.0 if ok else 1.0, 0.1)
+
+
+def test_verifier_verdicts_are_bounded_and_a_failed_class_is_kept(monkeypatch):
+    monkeypatch.setattr(report, "MAX_KEYS", 3)
+    ver = Verifier("first")
+    ver.record(("bad",), _verdict(False))
+    for i in range(5):
+        ver.record((f"ok{i}",), _verdict(True))
+    assert list(ver.verdicts()) == ["bad", "ok3", "ok4"]
+    assert ver.known_bad(("bad",)) is not None
+    assert ver.needs_probe(("ok0",)) and not ver.needs_probe(("ok4",))
+
+
+def _q(S):
+    return torch.randn(1, 2, S, 8)
+
+
+def test_per_signature_caches_are_bounded(monkeypatch):
+    """A pack that hands a new function per call, or an endless stream of shapes, does not grow
+    SafeAttention's caches past the store's bound."""
+    monkeypatch.setattr(report, "MAX_KEYS", 2)
+    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[], rt=CPU_RT)
+    for S in (3, 4, 5, 6, 7):
+        q = _q(S)
+
+        def comfy(q, k, v, heads, **kw):          # a new function object per call
+            return torch.zeros(1, S, heads * q.shape[-1])
+
+        out = att(comfy, q, q, q, 2, skip_reshape=True)
+        assert out.shape == (1, S, 16), "the call still ran ComfyUI's function"
+    assert len(att._prepared) == 2 and len(att._comfy_fns) == 2
+    assert report.snapshot()["attention_calls"] == 5
