@@ -21,3 +21,9 @@ def test_docs_cite_results():
     assert len(cited) > 20  # the docs cite their results; an empty match would make this test pass vacuously
     missing = sorted((doc, p) for doc, p in cited if not glob.glob(os.path.join(ROOT, p)))
     assert not missing, f"cited but not committed: {missing}"
+
+
+def test_readme_numbers_cite_results():
+    """The README's measured summary names its result files itself (not only through docs/)."""
+    readme = {p for doc, p in _cited() if doc == "README.md"}
+    assert len(readme) >= 3, readme
