@@ -69,6 +69,8 @@ class SafeAttention:
         self.policy = policy
         self.rt = rt or runtime()
         self.verifier = verifier or Verifier(policy.verify)
+        # kernels handed in (tests, benches) are for rt's GPU only; found here, each GPU arch gets its own
+        self._own_kernels = kernels is None
         if kernels is None:
             kernels = installed_kernels(self.rt)
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
@@ -79,7 +81,7 @@ class SafeAttention:
         self._layer_fn_ids = {id(f) for f in self.layer_functions.values()}
         self._prepared: dict[tuple, _Prepared] = {}
         self._comfy_fns: dict[int, tuple] = {}      # id(func) -> (func, what runs in its place)
-        self._caps: dict = {}                        # device index -> compute capability
+        self._guards: dict = {}                      # cuda device index -> the SafeAttention for its arch
         self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
         self._budget_reader = BudgetReader()
         self.executor = Executor(self.kernels, policy.debug_sync)
@@ -198,7 +200,8 @@ class SafeAttention:
         kind = self.previous_kind
         if kind is None or n is None:
             return False
-        fam = self.rt.sage_family if kind == "sage" else self.rt.ck_family
+        rt = (self._guard_for(n.q.device) or self).rt      # the facts of the GPU this call runs on
+        fam = rt.sage_family if kind == "sage" else rt.ck_family
         env = FAMILIES.get(fam) if fam else None
         if env is None:
             return False            # no such kernel usable here: nothing of its limits to judge
@@ -227,15 +230,18 @@ class SafeAttention:
         if q.shape[2] == 0:
             report.count("plan:empty")
             return None
+        guard = self._guard_for(q.device)
+        if guard is not self:
+            if guard is not None:
+                return guard.attend(n, func)
+            report.count("plan:other_gpu")
+            report.fallback(f"a call on {q.device}, another kind of GPU than the one the kernels handed to "
+                            f"SafeSage are for ({self.rt.arch_name}): ComfyUI's own attention")
+            return None
         key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
                n.caller_layout, n.mask is None, id(func), n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
-            if not self._same_gpu(q.device):
-                report.count("plan:other_gpu")
-                report.fallback(f"a call on {q.device}, another kind of GPU than the one SafeSage's kernels were "
-                                f"chosen for ({self.rt.arch_name}): ComfyUI's own attention")
-                return None
             p = self._prepared[key] = self._prepare(n, func)
             report.trim(self._prepared)          # the newest signatures (the store's bound)
         n.prepared = p
@@ -267,15 +273,30 @@ class SafeAttention:
             out = self._verify(p, plan, ck, n, out)
         return out
 
-    def _same_gpu(self, device: torch.device) -> bool:
-        """Whether ``device`` is the kind of GPU the runtime (and so every envelope and kernel here)
-        was read from: a second, different GPU in the process gets ComfyUI's own attention."""
+    def _guard_for(self, device: torch.device) -> "SafeAttention | None":
+        """Who guards calls on ``device``: this SafeAttention for its own GPU's arch (and off
+        CUDA); for a GPU of another arch in the same process, a SafeAttention made for that GPU
+        (its own runtime, kernels and limits; same policy, verifier, chained override), once per
+        device. None when this one was handed its kernels (they are for its GPU only)."""
         if device.type != "cuda" or self.rt.arch is None:
-            return True
-        cap = self._caps.get(device.index)
-        if cap is None:
-            cap = self._caps[device.index] = tuple(torch.cuda.get_device_capability(device))
-        return cap == tuple(self.rt.arch)
+            return self
+        try:
+            return self._guards[device.index]
+        except KeyError:
+            pass
+        rt = runtime(device)
+        if rt.arch == self.rt.arch:
+            guard = self
+        elif not self._own_kernels:
+            guard = None
+        else:
+            guard = SafeAttention(self.policy, verifier=self.verifier, rt=rt, previous=self.previous,
+                                  layer_functions=self.layer_functions)
+            guard._guards[device.index] = guard
+            report.once(("other-gpu", device.index), logging.INFO, "SafeSage: %s is %s (%s); its calls are "
+                        "guarded with that GPU's kernels", device, rt.device_name, rt.summary())
+        self._guards[device.index] = guard
+        return guard
 
     def _describe(self, n: Normalised) -> AttnCall:
         q, k, v = n.q, n.k, n.v

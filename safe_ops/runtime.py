@@ -1,6 +1,6 @@
 """What is here: GPU arch, torch/CUDA, sageattention and the kernel family it dispatches to.
 
-Detected once per process (``runtime()`` is cached) and cheap to read on the hot
+Detected once per device (``runtime(device)`` is cached) and cheap to read on the hot
 path. Nothing here imports ComfyUI at module import time; ComfyUI facts are
 read lazily and only if ComfyUI is already loaded.
 """
@@ -93,12 +93,23 @@ def _comfy_facts() -> tuple[bool | None, str | None, dict]:
     return dyn, version, hooks
 
 
-@functools.lru_cache(maxsize=1)
-def runtime() -> Runtime:
+def runtime(device: torch.device | int | None = None) -> Runtime:
+    """The facts of one CUDA device (default: the current one), read once per device: a
+    process with two different GPUs has two runtimes, each with the kernels of its own arch."""
+    if not torch.cuda.is_available():
+        return _runtime(None)
+    if isinstance(device, int):
+        return _runtime(device)
+    if device is not None and device.type == "cuda" and device.index is not None:
+        return _runtime(device.index)
+    return _runtime(torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=16)
+def _runtime(idx: int | None) -> Runtime:
     arch = name = None
     backend = None
-    if torch.cuda.is_available():
-        idx = torch.cuda.current_device()
+    if idx is not None:
         arch = tuple(torch.cuda.get_device_capability(idx))
         name = torch.cuda.get_device_name(idx)
         try:

@@ -854,14 +854,3 @@ def test_per_shape_entries_are_bounded(monkeypatch):
     snap = report.snapshot()
     assert list(snap["plans"]) == ["shape 7", "shape 8", "shape 9"]
     assert list(snap["fallback_reasons"]) == ["reason 7", "reason 8", "reason 9"] and snap["fallbacks"] == 10
-
-
-def test_a_call_on_another_kind_of_gpu_gets_comfys_attention(monkeypatch):
-    """Kernels and envelopes are read from one GPU; a call on a second GPU of another arch is not
-    checked against them: it runs ComfyUI's own attention (counted, logged)."""
-    rt = CPU_RT.__class__(**{**CPU_RT.__dict__, "arch": (8, 9)})
-    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[], rt=rt)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (12, 0) if d.index == 1 else (8, 9))
-    assert att._same_gpu(torch.device("cuda", 0)) and not att._same_gpu(torch.device("cuda", 1))
-    assert att._same_gpu(torch.device("cpu"))
-    assert att._caps == {0: (8, 9), 1: (12, 0)}, "read once per device"
