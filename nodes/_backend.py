@@ -59,7 +59,7 @@ def require():
 def preflight_limits(policy) -> list[str]:
     """The SafeSage Attention node's preflight lines; a failure here never fails the node."""
     try:
-        from ..safe_ops.preflight import limits_lines
+        from ..safe_ops.status import limits_lines
         from ..safe_ops.runtime import runtime
         return limits_lines(runtime(), policy)
     except Exception as e:  # noqa: BLE001 - status text only
@@ -68,9 +68,10 @@ def preflight_limits(policy) -> list[str]:
 
 
 def preflight(width: int, height: int, length: int, ref_images: int, text_tokens: int, model=None) -> dict:
-    """The SafeSage Preflight node: safe_ops.preflight.preflight_report with the connected model's
+    """The SafeSage Preflight node: safe_ops.preflight_text.preflight_report with the connected model's
     SafeSage settings (if any) and a note when the model is not MiniMax H3."""
     require()
-    from ..safe_ops.preflight import model_context, preflight_report
+    from ..safe_ops.preflight_text import preflight_report
+    from ..safe_ops.status import model_context
     policy, note = model_context(model)
     return preflight_report(width, height, length, ref_images, text_tokens, policy=policy, model_note=note)

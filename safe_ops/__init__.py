@@ -6,6 +6,7 @@ may use), kernels (adapters), comfy_call (ComfyUI's call, and what ComfyUI would
 (runs a Plan), streams (the legacy-stream hop), probe (first-call verification), attention (the
 ComfyUI override), compiler (ComfyUI's allocation compiler), mlp / mlp_plan / mlp_comfy /
 mlp_patch (H3's MLP in token chunks), patch (apply to a ModelPatcher), preflight (a size ->
-verdicts), report (counters).
+verdicts), preflight_text (verdicts -> the Preflight node's report), status (the nodes' status
+lines), report (counters).
 """
 __version__ = "0.1.0"

@@ -1,8 +1,9 @@
-"""MiniMax H3's facts: its dimensions, its packed token arithmetic, its attention call, its modules.
+"""MiniMax H3's facts: its dimensions, its packed token arithmetic, its attention call (with V as
+this ComfyUI hands it), its modules.
 
 The ground floor of the pack: imports nothing of it but the envelope's call description, and
-ComfyUI only lazily (inside :func:`comfy_h3_tokens`). H3's MLP and Preflight, the bench and
-the tests take H3's numbers from here.
+ComfyUI only lazily (:func:`comfy_h3_tokens`, :func:`comfy_v_layout`). H3's MLP and Preflight,
+the bench and the tests take H3's numbers from here.
 """
 from __future__ import annotations
 
@@ -97,6 +98,15 @@ def comfy_h3_tokens(width: int, height: int, length: int, ref_images: int = 0,
 COMFY_COUNT_MAX_TOKENS = 4_000_000
 
 
+def packed_tokens(width: int, height: int, length: int, ref_images: int = 0,
+                  text_tokens: int = H3_TEXT_TOKENS) -> H3Tokens:
+    """The packed token count of an H3 graph as this process can best know it: ComfyUI's own
+    (:func:`comfy_h3_tokens`) where this ComfyUI has H3, else SafeSage's copy (:func:`h3_tokens`).
+    Its ``source`` says which."""
+    return comfy_h3_tokens(width, height, length, ref_images, text_tokens) or \
+        h3_tokens(width, height, length, ref_images, text_tokens)
+
+
 def _comfy_count(PackedLayout, temporal_shape, width, height, length, ref_images, text_tokens) -> H3Tokens:
     _, latent_t, audio_t = temporal_shape(length)
     lh, lw = height // 16, width // 16
@@ -130,6 +140,20 @@ def h3_attention_call(S: int, dtype: str = "bfloat16", arch: str = "", v_layout:
     inner = H3_HEADS * H3_HEAD_DIM
     v = t if v_layout == "strided" else TensorDesc(t.shape, (S * inner, H3_HEAD_DIM, inner, 1))
     return AttnCall(t, t, v, dtype, "HND", False, "cuda", arch, 2)
+
+
+def v_layout_here() -> tuple[str, str]:
+    """(V's layout in H3's attention call, where that was read): this ComfyUI's own H3 when it is
+    loaded (783545f6 copies V, 0dd9b154 and later upstream hand a view), else 0dd9b154's view."""
+    got = comfy_v_layout()
+    if got is not None:
+        return got, "read from this ComfyUI's H3 Attention"
+    return "strided", "ComfyUI's H3 not loaded here: 0dd9b154's layout"
+
+
+def attention_call_here(S: int, arch: str = "") -> AttnCall:
+    """H3's attention call at ``S`` tokens with V as this ComfyUI hands it (:func:`v_layout_here`)."""
+    return h3_attention_call(S, arch=arch, v_layout=v_layout_here()[0])
 
 
 _V_LAYOUT: dict = {}

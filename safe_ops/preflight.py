@@ -1,47 +1,31 @@
-"""Preflight: what a MiniMax H3 render of a given size asks of each attention kernel.
+"""Preflight: what a MiniMax H3 render of a given size asks of each attention kernel -- the model.
 
-From width, height, length (and the number of reference images) it gives the packed token
-count H3 attends over -- with ComfyUI's own code (``comfy_extras.nodes_minimax_h3`` and
-``comfy.ldm.minimax.model.PackedLayout``) when ComfyUI with H3 is loaded, with the same
-arithmetic (:func:`h3_tokens`, compared with ComfyUI's in tests/comfy) otherwise -- then, for
+From a packed token count (``h3.packed_tokens`` of width, height, length and reference images:
+ComfyUI's own H3 code where it is loaded, SafeSage's copy of it otherwise) it works out, for
 this GPU (or, without one, for common GPUs): the limits of the kernel family sageattention
 dispatches to that H3's attention call crosses, the plan SafeSage runs for it (whatever
-``planner.choose`` returns, printed with ``Plan.describe()``), the MLP chunk size
-(``mlp.resolve_chunk``) and the predicted transient memory of both.
+``planner.choose`` returns), the MLP chunk size (``mlp_plan.resolve_chunk``) and the predicted
+transient memory of both; and the same limits for comfy-kitchen's int8_attention. These are
+data (:class:`Verdict`, :class:`CkVerdict`, :class:`Assessment`); ``preflight_text`` words
+them for the Preflight node, ``status`` for the SafeSage Attention node.
 
 No GPU work and no ComfyUI import at module import time: ComfyUI's modules are only read
-when they are already loaded (``sys.modules``) or imported lazily inside
-:func:`comfy_h3_tokens`.
+when they are already loaded (``sys.modules``) or imported lazily by ``h3``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .envelope import FAMILIES, AttnCall, check
-from .h3 import (H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_LAYERS, H3_TEXT_TOKENS, comfy_h3_tokens,
-                 comfy_v_layout, h3_attention_call, h3_frame_count, h3_tokens)
+from .envelope import FAMILIES, check
+from .h3 import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_TEXT_TOKENS, H3Tokens, attention_call_here, \
+    packed_tokens
 from .planner import Plan, choose, plan_for
-
-GiB = 2 ** 30
-
-
-def v_layout() -> tuple[str, str]:
-    """(V's layout in H3's attention call, where that was read): this ComfyUI's own H3 when it is
-    loaded (783545f6 copies V, 0dd9b154 and later upstream hand a view), else 0dd9b154's view."""
-    got = comfy_v_layout()
-    if got is not None:
-        return got, "read from this ComfyUI's H3 Attention"
-    return "strided", "ComfyUI's H3 not loaded here: 0dd9b154's layout"
-
-
-def _h3_call(S: int, arch: str = "") -> AttnCall:
-    return h3_attention_call(S, arch=arch, v_layout=v_layout()[0])
 
 
 def preflight(S: int, families: list[str] | None = None, budget_bytes: int | None = None) -> list[dict]:
     """Per kernel family: violations of H3's call at S tokens and the plan SafeSage would run."""
-    _register_sage2()
-    call = _h3_call(S)
+    register_sage2()
+    call = attention_call_here(S)
     rows = []
     for fam in families or [f for f in FAMILIES if f != "sdpa"]:
         env = FAMILIES[fam]
@@ -53,14 +37,15 @@ def preflight(S: int, families: list[str] | None = None, budget_bytes: int | Non
     return rows
 
 
-def _register_sage2() -> None:
+def register_sage2() -> None:
+    """Register the sage 2.x families in ``FAMILIES`` (when that module imports here)."""
     try:
         from . import envelope_sage2  # noqa: F401  (registers the sage 2.x families)
     except ImportError:
         pass
 
 
-# ---------------------------------------------------------------------------- the report
+# ---------------------------------------------------------------------------- the scenarios
 # What a CPU-only ComfyUI reports: common GPUs, each with sageattention 2.2 and 1.x.
 COMMON_GPUS = (
     ((8, 9), "RTX 4090 / L40S"),
@@ -97,12 +82,8 @@ class Verdict:
     choice: str = ""                                   # runtime.explain_auto's line for it
 
 
-def _arch_name(arch) -> str:
+def arch_name(arch) -> str:
     return f"sm_{arch[0]}{arch[1]}"
-
-
-def _fmt_gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
 
 
 def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
@@ -123,7 +104,7 @@ def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
     out = []
     for arch, names in COMMON_GPUS:
         for ver in COMMON_SAGE:
-            out.append(Scenario(f"{_arch_name(arch)} ({names}) with sageattention {ver}", arch, ver,
+            out.append(Scenario(f"{arch_name(arch)} ({names}) with sageattention {ver}", arch, ver,
                                 sage_family_for(ver, arch), None))
     return out
 
@@ -139,7 +120,7 @@ def _candidates(policy, rt, family: str | None, comfy_wants_sage: bool) -> list[
 def _safe_up_to(family: str, hi: int = 2_000_000) -> int | None:
     from .envelope_sage2 import first_unsafe
     env = FAMILIES[family]
-    bad = first_unsafe(env, _h3_call, 1, hi)
+    bad = first_unsafe(env, attention_call_here, 1, hi)
     return None if bad is None else bad - 1
 
 
@@ -149,9 +130,9 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
 
     from .mlp_plan import resolve_chunk
     from .runtime import Runtime, explain_auto, pricing_tflops
-    _register_sage2()
+    register_sage2()
     v = Verdict(sc, S)
-    call = _h3_call(S, arch=_arch_name(sc.arch))
+    call = attention_call_here(S, arch=arch_name(sc.arch))
     fam = sc.family if sc.family in FAMILIES else None
     if fam is not None:
         env = FAMILIES[fam]
@@ -161,7 +142,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     rt = Runtime("", None, sc.label, sc.arch, sc.sage_version, fam, None, None, None, None)
     order = v.order = _candidates(policy, rt, fam, comfy_wants_sage)
     v.choice = explain_auto(rt, [fam] if fam else [], "sage" if comfy_wants_sage else None, policy.kernel)
-    tflops = pricing_tflops(policy.kernel, _arch_name(sc.arch))
+    tflops = pricing_tflops(policy.kernel, arch_name(sc.arch))
     v.plan = choose(call, [FAMILIES[f] for f in order if f in FAMILIES], sc.budget_bytes, tflops)
     out_bytes = S * H3_HEADS * H3_HEAD_DIM * call.elt_bytes
     # the plan's own budgeted peak; where the kernel's temporaries are unknown (SDPA), its output
@@ -186,104 +167,69 @@ def mlp_transient_bytes(S: int, chunk: int, dtype_bytes: int = 2) -> int:
     return chunk * per_tok + S * H3_HIDDEN * dtype_bytes
 
 
+
+# ---------------------------------------------------------------------------- comfy-kitchen
 #: what a report without a GPU says about comfy-kitchen's int8_attention (version-dependent
 #: envelopes, the same on every arch: safe_ops/envelope_ck.py)
 COMMON_CK = (("0.2.36-0.2.40", "ck_int8"), ("0.2.29-0.2.35", "ck_int8_pre236"))
 
 
-def ck_lines(S: int, rt, budget_bytes: int | None = None) -> tuple[list[str], list[str]]:
-    """(report lines, warnings) for comfy-kitchen's int8_attention (what ``--use-ck-attention``
-    runs on newer ComfyUI) at ``S`` tokens: the installed version's envelope on a GPU, both
-    envelopes without one."""
+@dataclass
+class CkVerdict:
+    version: str                    # the installed version, or the range a report without a GPU covers
+    family: str
+    where: str                      # "sm_90", or "any GPU" without one
+    violations: list                # of H3's call at S
+    safe_up_to: int | None          # largest S the family takes as called (None: no limit up to 2,000,000)
+    plan: Plan | None = None        # SafeSage's plan for the family, where the call crosses its limits
+
+
+def ck_verdicts(S: int, rt, budget_bytes: int | None = None) -> list[CkVerdict]:
+    """comfy-kitchen's int8_attention (what ``--use-ck-attention`` runs on newer ComfyUI) at ``S``
+    tokens: the installed version's envelope on a GPU (none where it is not usable: ``rt.ck_error``
+    says why), both envelopes without one."""
     from . import envelope_ck  # noqa: F401  (registers the ck families)
     if rt.arch is not None:
         if rt.ck_family not in FAMILIES:
-            return [f"[comfy-kitchen int8_attention] not usable here: {rt.ck_error or 'not installed'}"], []
-        cases = [(rt.ck_version or "?", rt.ck_family)]
-        where = _arch_name(rt.arch)
+            return []
+        cases, where = [(rt.ck_version or "?", rt.ck_family)], arch_name(rt.arch)
     else:
         cases, where = list(COMMON_CK), "any GPU"
-    lines, warnings = [], []
-    call = _h3_call(S)
+    call = attention_call_here(S)
+    out = []
     for ver, fam in cases:
         env = FAMILIES[fam]
         viol = check(call, env)
-        safe = _safe_up_to(fam)
-        head = f"[comfy-kitchen {ver} int8_attention -> {fam}]"
-        if not viol:
-            lines.append(f"{head} limits: none crossed at {S:,} tokens"
-                         + (f" (safe up to {safe:,})" if safe else " (no limit up to 2,000,000)"))
-            continue
-        plan = plan_for(call, env, budget_bytes)
-        run = plan.describe(reasons=False) if plan else "no plan inside its limits, so PyTorch SDPA"
-        lines.append(f"{head} limits: H3's call crosses {len(viol)} at {S:,} tokens"
-                     + (f" (safe up to {safe:,})" if safe else "") + f"; SafeSage runs it as: {run}")
-        warnings.append(f"{S:,} tokens: comfy-kitchen {ver} int8_attention on {where} would cross its limits"
-                        + (f" (safe up to {safe:,})" if safe else "") + f"; plan: {run}")
-    return lines, warnings
+        out.append(CkVerdict(ver, fam, where, viol, _safe_up_to(fam),
+                             plan_for(call, env, budget_bytes) if viol else None))
+    return out
 
 
-def _family_text(fam: str | None, ver: str | None) -> str:
-    if fam is None:
-        return "no SageAttention kernel" + (f" (sageattention {ver} has none for this GPU)" if ver else "")
-    return f"SageAttention {ver} -> {fam}" if ver else fam
+# ---------------------------------------------------------------------------- a render size
+@dataclass
+class Assessment:
+    """Everything the Preflight node reports about one render size."""
+    width: int
+    height: int
+    length: int
+    ref_images: int
+    tokens: H3Tokens
+    policy: object
+    rt: object
+    verdicts: list                  # of Verdict, one per scenario
+    ck: list                        # of CkVerdict
+
+    @property
+    def S(self) -> int:
+        return self.tokens.total
 
 
-def verdict_lines(v: Verdict) -> tuple[list[str], list[str]]:
-    """(report lines, plain-language warnings) for one scenario."""
-    sc, S = v.scenario, v.S
-    fam = sc.family if sc.family in FAMILIES else None
-    lines = [f"[{sc.label}" + (f" -> {fam}]" if fam else "]")]
-    warnings = []
-    if sc.note:
-        lines.append(f"  {sc.note}")
-    if fam is None:
-        lines.append(f"  {_family_text(None, sc.sage_version)}: PyTorch SDPA (int64 indexing, no token limit)")
-    elif v.violations:
-        first = v.violations[0]
-        lines.append(f"  limits: H3's call crosses {len(v.violations)} at {S:,} tokens"
-                     + (f" (as called, safe up to {v.safe_up_to:,})" if v.safe_up_to else "")
-                     + f", e.g. {first}")
-        if v.sage_plan is None or v.sage_plan != v.plan:
-            lines.append(f"  {fam} itself: " + (v.sage_plan.describe(reasons=False) if v.sage_plan else
-                                                 "no plan inside its limits, so PyTorch SDPA"))
-        need = (v.sage_plan.kind.replace("_", " ") if v.sage_plan else "PyTorch SDPA instead")
-        warnings.append(f"{S:,} tokens: {_family_text(fam, sc.sage_version)} on {_arch_name(sc.arch)} "
-                        f"would cross its limits ({first.rule}"
-                        + (f", safe up to {v.safe_up_to:,}" if v.safe_up_to else "")
-                        + f") and would need {need}; plan: {v.plan.describe(reasons=False)}")
-    else:
-        lines.append(f"  limits: none crossed at {S:,} tokens"
-                     + (f" (safe up to {v.safe_up_to:,})" if v.safe_up_to else ""))
-    if v.choice:
-        lines.append(f"  kernel choice: {v.choice}")
-    lines.append(f"  each attention call ({H3_LAYERS} blocks) runs: {v.plan.describe(reasons=False)}")
-    mlp = (f"MLP {v.mlp_chunk:,} tokens per chunk, {_fmt_gib(v.mlp_bytes)} (unchunked up to "
-           f"{_fmt_gib(v.mlp_unchunked_bytes)})" if v.mlp_chunk < S else
-           f"MLP unchunked, up to {_fmt_gib(v.mlp_unchunked_bytes)}")
-    peak = max(v.attn_bytes, v.mlp_bytes)
-    lines.append(f"  transients: attention {_fmt_gib(v.attn_bytes)}, {mlp}; predicted peak {_fmt_gib(peak)} "
-                 "(one after the other in each block, above weights and activations)")
-    if sc.free_bytes is not None and peak > sc.free_bytes:
-        warnings.append(f"{_arch_name(sc.arch)}: the predicted transients ({_fmt_gib(peak)}) exceed the "
-                        f"{_fmt_gib(sc.free_bytes)} free now; lower the size, or set mlp_chunking to "
-                        "'tokens' with fewer mlp_chunk_tokens")
-    return lines, warnings
-
-
-def _call_line(S: int) -> str:
-    layout, where = v_layout()
-    v = ("V a view too" if layout == "strided"
-         else f"V its own token-major copy (token stride {H3_HEADS * H3_HEAD_DIM:,})")
-    return (f"attention call: [1, {H3_HEADS}, {S:,}, {H3_HEAD_DIM}], q and k views into the qkv buffer "
-            f"(token stride {3 * H3_HEADS * H3_HEAD_DIM:,}), {v} ({where})")
-
-
-def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
-                     text_tokens: int = H3_TEXT_TOKENS, policy=None, rt=None,
-                     free_bytes: int | None = None, comfy_wants_sage: bool | None = None,
-                     model_note: str = "") -> dict:
-    """The SafeSage Preflight node's report: ``{"text", "tokens", "warnings", "verdicts"}``."""
+def assess(width: int, height: int, length: int, ref_images: int = 0, text_tokens: int = H3_TEXT_TOKENS,
+           policy=None, rt=None, free_bytes: int | None = None,
+           comfy_wants_sage: bool | None = None) -> Assessment:
+    """The verdicts for an H3 render of this size under ``policy`` (default: the node's defaults)
+    on ``rt`` (default: this process's runtime). ``comfy_wants_sage`` (default: ComfyUI's own
+    flags) is taken as True without a GPU: the common GPUs are reported with --use-sage-attention."""
     from .policy import Policy
     from .runtime import runtime
     policy = policy or Policy()
@@ -291,25 +237,10 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
     if comfy_wants_sage is None:
         from .runtime import comfy_attention_choice
         comfy_wants_sage = comfy_attention_choice() == "sage"
-    t = comfy_h3_tokens(width, height, length, ref_images, text_tokens) or \
-        h3_tokens(width, height, length, ref_images, text_tokens)
+    t = packed_tokens(width, height, length, ref_images, text_tokens)
     S = t.total
-    lines = [f"SafeSage preflight: MiniMax H3, {width}x{height}, {length} frames "
-             f"(-> {h3_frame_count(length)} on H3's 17k+5 grid), {ref_images} reference image(s)",
-             f"packed tokens: {S:,} = video {t.video:,} + audio {t.audio:,} + references {t.refs:,} "
-             f"+ text {t.text:,} (text varies with the prompt); counted with {t.source}",
-             _call_line(S),
-             f"runtime: {rt.summary()}",
-             f"kernel policy: {policy.kernel}; mlp_chunking: {policy.mlp_chunking}"
-             + (f" ({policy.mlp_chunk_tokens:,} tokens)" if policy.mlp_chunking == "tokens" else "")]
-    if model_note:
-        lines.append(model_note)
     if rt.arch is None:
         comfy_wants_sage = True
-        lines.append("no CUDA device here: what SafeSage would do on common GPUs, with ComfyUI started "
-                     "with --use-sage-attention")
-    warnings: list[str] = []
-    verdicts = []
     mlp_dev = None
     if rt.arch is not None:
         import torch
@@ -317,60 +248,6 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
         if free_bytes is None:
             from .budget import free_device_bytes
             free_bytes = free_device_bytes(mlp_dev)
-    for sc in scenarios_for(rt, free_bytes):
-        v = verdict(S, sc, policy, comfy_wants_sage, mlp_dev)
-        ls, ws = verdict_lines(v)
-        lines += ls
-        warnings += ws
-        verdicts.append(v)
-    ls, ws = ck_lines(S, rt, verdicts[0].scenario.budget_bytes if verdicts else None)
-    lines += ls
-    warnings += ws
-    for w in warnings:
-        lines.append("WARNING: " + w)
-    return {"text": "\n".join(lines), "tokens": t, "warnings": warnings, "verdicts": verdicts}
-
-
-def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
-    """Short lines for the SafeSage Attention node's status: up to how many H3 tokens this
-    GPU's sage kernel runs as called, and the plan for the reporter's 1664x960x362 graph."""
-    _register_sage2()
-    if comfy_wants_sage is None:
-        from .runtime import comfy_attention_choice
-        comfy_wants_sage = comfy_attention_choice() == "sage"
-    S = h3_tokens(1664, 960, 362, ref_images=3).total
-    out = []
-    for sc in scenarios_for(rt)[:1] if rt.arch is not None else []:
-        if sc.family not in FAMILIES:
-            continue
-        v = verdict(S, sc, policy, comfy_wants_sage)
-        out.append(f"H3 attention on {sc.family}: as called it is safe up to "
-                   + (f"{v.safe_up_to:,} tokens" if v.safe_up_to else "any length checked (2,000,000)")
-                   + f"; at {S:,} tokens (1664x960x362, 3 refs) the call runs: {v.plan.describe(reasons=False)}")
-    if rt.arch is not None and rt.ck_family in FAMILIES:
-        out += ck_lines(S, rt)[0]
-    out.append("SafeSage Preflight (model/patch/attention) reports, for any H3 size before you queue it, "
-               "the kernel limits it crosses and the plan SafeSage runs"
-               + ("." if rt.arch is not None else " (here, without a GPU: for common GPUs)."))
-    return out
-
-
-def model_context(model_patcher) -> tuple:
-    """(Policy, note) for a ModelPatcher handed to the Preflight node: the policy of a SafeSage
-    Attention node upstream (its override on the model) or the defaults, and a line saying
-    which, and whether the model is MiniMax H3."""
-    from .attention import SafeAttention
-    from .h3 import is_h3_model
-    from .policy import Policy
-    if model_patcher is None:
-        return Policy(), ("model: not connected; SafeSage Attention's default settings assumed "
-                          "(connect its MODEL output to use its settings)")
-    to = (getattr(model_patcher, "model_options", None) or {}).get("transformer_options", {})
-    override = to.get("optimized_attention_override")
-    dm = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
-    kind = type(dm).__name__ if dm is not None else type(model_patcher).__name__
-    h3 = "MiniMax H3" if is_h3_model(dm) else f"NOT MiniMax H3 ({kind}): the counts and plans below are H3's"
-    if isinstance(override, SafeAttention):
-        return override.policy, f"model: {h3}; settings from the SafeSage Attention node on it"
-    return Policy(), (f"model: {h3}; no SafeSage Attention node on it (put one after the loader), "
-                      "its default settings assumed")
+    verdicts = [verdict(S, sc, policy, comfy_wants_sage, mlp_dev) for sc in scenarios_for(rt, free_bytes)]
+    ck = ck_verdicts(S, rt, verdicts[0].scenario.budget_bytes if verdicts else None)
+    return Assessment(width, height, length, ref_images, t, policy, rt, verdicts, ck)

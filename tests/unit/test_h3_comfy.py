@@ -22,8 +22,9 @@ import comfy.cli_args  # noqa: E402
 comfy.cli_args.args.cpu = True
 import comfy.ldm.minimax.model  # noqa: E402,F401
 
-from safe_ops import preflight  # noqa: E402
-from safe_ops.h3 import H3_HEAD_DIM, H3_HEADS, comfy_v_layout, h3_attention_call  # noqa: E402
+from safe_ops.h3 import (H3_HEAD_DIM, H3_HEADS, attention_call_here, comfy_v_layout, h3_attention_call,  # noqa: E402
+                         v_layout_here)
+from safe_ops.preflight_text import _call_line  # noqa: E402
 
 
 def _source_copies_v() -> bool:
@@ -35,10 +36,10 @@ def _source_copies_v() -> bool:
 def test_v_layout_is_this_trees():
     want = "contiguous" if _source_copies_v() else "strided"
     assert comfy_v_layout() == want
-    layout, where = preflight.v_layout()
+    layout, where = v_layout_here()
     assert layout == want and "this ComfyUI" in where
-    line = preflight._call_line(169_000)
+    line = _call_line(169_000)
     assert ("own token-major copy" in line) == (want == "contiguous"), line
-    v = preflight._h3_call(1000).v
+    v = attention_call_here(1000).v
     assert v.stride[2] == (H3_HEADS * H3_HEAD_DIM if want == "contiguous" else 3 * H3_HEADS * H3_HEAD_DIM)
     assert h3_attention_call(1000, v_layout=want).v == v

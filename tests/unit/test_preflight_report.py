@@ -1,4 +1,5 @@
-"""safe_ops.preflight's report (the SafeSage Preflight node) on given runtimes: this GPU, no GPU."""
+"""The SafeSage Preflight node's report (safe_ops.preflight's verdicts, worded by safe_ops.preflight_text)
+and the nodes' status lines (safe_ops.status) on given runtimes: this GPU, no GPU."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 from safe_ops import h3
 from safe_ops import preflight as pf
+from safe_ops import status
+from safe_ops.preflight_text import preflight_report
 from safe_ops.policy import Policy
 from safe_ops.runtime import Runtime
 
@@ -21,7 +24,7 @@ GiB = 2 ** 30
 
 
 def _report(rt, **kw):
-    return pf.preflight_report(1664, 960, 362, ref_images=3, rt=rt, comfy_wants_sage=True, **kw)
+    return preflight_report(1664, 960, 362, ref_images=3, rt=rt, comfy_wants_sage=True, **kw)
 
 
 def test_this_gpu_with_sage22():
@@ -78,7 +81,7 @@ def test_policy_changes_the_plan_and_the_mlp_chunk():
 def test_comfy_count_absent_without_comfyui():
     """Outside ComfyUI (a fresh process with only the repository on the path) ComfyUI's own count
     is unavailable and the report falls back to SafeSage's arithmetic, saying so."""
-    code = ("from safe_ops.h3 import comfy_h3_tokens\nfrom safe_ops.preflight import preflight_report\n"
+    code = ("from safe_ops.h3 import comfy_h3_tokens\nfrom safe_ops.preflight_text import preflight_report\n"
             "from safe_ops.runtime import Runtime\n"
             "rt = Runtime('t', None, None, None, None, None, 'x', None, None, None)\n"
             "print(comfy_h3_tokens(1664, 960, 362))\n"
@@ -98,26 +101,26 @@ def test_token_arithmetic_pads_odd_latents_like_comfyui():
 
 
 def test_limits_lines_for_the_attention_node():
-    lines = pf.limits_lines(H200_SAGE22, Policy())
+    lines = status.limits_lines(H200_SAGE22, Policy())
     assert lines[0].startswith("H3 attention on sage2_sm90: as called it is safe up to 99,865 tokens")
     assert "SafeSage Preflight" in lines[-1]
-    assert len(pf.limits_lines(CPU, Policy())) == 1
+    assert len(status.limits_lines(CPU, Policy())) == 1
     assert not any("comfy-kitchen" in line for line in lines)          # not installed in H200_SAGE22
     from dataclasses import replace
-    ck = pf.limits_lines(replace(H200_SAGE22, ck_version="0.2.33", ck_family="ck_int8_pre236"), Policy())
+    ck = status.limits_lines(replace(H200_SAGE22, ck_version="0.2.33", ck_family="ck_int8_pre236"), Policy())
     assert len(ck) == len(lines) + 1
     assert ck[1] == ("[comfy-kitchen 0.2.33 int8_attention -> ck_int8_pre236] limits: none crossed at "
                      "173,062 tokens (safe up to 299,520)")
 
 
 def test_model_context():
-    policy, note = pf.model_context(None)
+    policy, note = status.model_context(None)
     assert policy == Policy() and "not connected" in note
 
     class Patcher:
         model_options = {"transformer_options": {}}
         model = type("M", (), {"diffusion_model": object()})()
-    policy, note = pf.model_context(Patcher())
+    policy, note = status.model_context(Patcher())
     assert "NOT MiniMax H3 (object)" in note and "no SafeSage Attention node" in note
 
 
@@ -177,7 +180,7 @@ def test_gpu_runtime_without_a_readable_free_memory(monkeypatch):
     """free memory unknown (the runtime's reader fails): no budget, no memory warning, still a plan."""
     import safe_ops.budget
     monkeypatch.setattr(safe_ops.budget, "free_device_bytes", lambda device: None)
-    r = pf.preflight_report(1664, 960, 362, ref_images=3, rt=H200_SAGE22, comfy_wants_sage=True)
+    r = preflight_report(1664, 960, 362, ref_images=3, rt=H200_SAGE22, comfy_wants_sage=True)
     (v,) = r["verdicts"]
     assert v.scenario.budget_bytes is None and v.plan is not None
     assert not any("free now" in w for w in r["warnings"])
@@ -189,7 +192,7 @@ def test_comfy_kitchen_attention_in_the_report():
     from dataclasses import replace
     S = h3.h3_tokens(1280, 720, 1201).total
     assert S > 299_520
-    r = pf.preflight_report(1280, 720, 1201, rt=CPU, comfy_wants_sage=True)
+    r = preflight_report(1280, 720, 1201, rt=CPU, comfy_wants_sage=True)
     text = r["text"]
     assert "[comfy-kitchen 0.2.36-0.2.40 int8_attention -> ck_int8] limits: none crossed at " \
            f"{S:,} tokens (no limit up to 2,000,000)" in text
@@ -197,15 +200,15 @@ def test_comfy_kitchen_attention_in_the_report():
     assert len(old) == 1 and "(safe up to 299,520)" in old[0] and "runs it as: head_groups on ck_int8_pre236" in old[0]
     assert any(w.startswith(f"{S:,} tokens: comfy-kitchen 0.2.29-0.2.35 int8_attention") for w in r["warnings"])
     # below the old limit nothing is crossed and nothing is warned about comfy-kitchen
-    small = pf.preflight_report(1664, 960, 362, ref_images=3, rt=CPU, comfy_wants_sage=True)
+    small = preflight_report(1664, 960, 362, ref_images=3, rt=CPU, comfy_wants_sage=True)
     assert "ck_int8_pre236] limits: none crossed at 173,062 tokens (safe up to 299,520)" in small["text"]
     assert not any("comfy-kitchen" in w for w in small["warnings"])
     # a GPU: only what is installed
     gpu = replace(H200_SAGE22, ck_version="0.2.35", ck_family="ck_int8_pre236")
-    g = pf.preflight_report(1280, 720, 1201, rt=gpu, comfy_wants_sage=True, free_bytes=80 * GiB)
+    g = preflight_report(1280, 720, 1201, rt=gpu, comfy_wants_sage=True, free_bytes=80 * GiB)
     ck = [line for line in g["text"].splitlines() if line.startswith("[comfy-kitchen")]
     assert len(ck) == 1 and ck[0].startswith("[comfy-kitchen 0.2.35 int8_attention -> ck_int8_pre236]")
     assert any("int8_attention on sm_90 would cross" in w for w in g["warnings"])
     none = replace(H200_SAGE22, ck_error="comfy-kitchen 0.2.26 has no int8_attention (needs >= 0.2.29)")
-    n = pf.preflight_report(1280, 720, 1201, rt=none, comfy_wants_sage=True, free_bytes=80 * GiB)
+    n = preflight_report(1280, 720, 1201, rt=none, comfy_wants_sage=True, free_bytes=80 * GiB)
     assert "[comfy-kitchen int8_attention] not usable here: comfy-kitchen 0.2.26 has no int8_attention" in n["text"]

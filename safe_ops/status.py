@@ -1,0 +1,57 @@
+"""Status lines of the SafeSage nodes that come from preflight's verdicts.
+
+:func:`limits_lines` closes the SafeSage Attention node's status text (its kernel's H3 limit
+on this GPU, and the plan for the reporter's graph); :func:`model_context` is what the
+Preflight node takes from the MODEL connected to it. The nodes call these through
+``nodes/_backend.py`` and stay thin.
+"""
+from __future__ import annotations
+
+from .envelope import FAMILIES
+from .h3 import h3_tokens, is_h3_model
+from .preflight import ck_verdicts, register_sage2, scenarios_for, verdict
+from .preflight_text import ck_lines
+
+
+def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
+    """Short lines for the SafeSage Attention node's status: up to how many H3 tokens this
+    GPU's sage kernel runs as called, and the plan for the reporter's 1664x960x362 graph."""
+    register_sage2()
+    if comfy_wants_sage is None:
+        from .runtime import comfy_attention_choice
+        comfy_wants_sage = comfy_attention_choice() == "sage"
+    S = h3_tokens(1664, 960, 362, ref_images=3).total
+    out = []
+    for sc in scenarios_for(rt)[:1] if rt.arch is not None else []:
+        if sc.family not in FAMILIES:
+            continue
+        v = verdict(S, sc, policy, comfy_wants_sage)
+        out.append(f"H3 attention on {sc.family}: as called it is safe up to "
+                   + (f"{v.safe_up_to:,} tokens" if v.safe_up_to else "any length checked (2,000,000)")
+                   + f"; at {S:,} tokens (1664x960x362, 3 refs) the call runs: {v.plan.describe(reasons=False)}")
+    if rt.arch is not None and rt.ck_family in FAMILIES:
+        out += ck_lines(S, ck_verdicts(S, rt), rt)[0]
+    out.append("SafeSage Preflight (model/patch/attention) reports, for any H3 size before you queue it, "
+               "the kernel limits it crosses and the plan SafeSage runs"
+               + ("." if rt.arch is not None else " (here, without a GPU: for common GPUs)."))
+    return out
+
+
+def model_context(model_patcher) -> tuple:
+    """(Policy, note) for a ModelPatcher handed to the Preflight node: the policy of a SafeSage
+    Attention node upstream (its override on the model) or the defaults, and a line saying
+    which, and whether the model is MiniMax H3."""
+    from .attention import SafeAttention
+    from .policy import Policy
+    if model_patcher is None:
+        return Policy(), ("model: not connected; SafeSage Attention's default settings assumed "
+                          "(connect its MODEL output to use its settings)")
+    to = (getattr(model_patcher, "model_options", None) or {}).get("transformer_options", {})
+    override = to.get("optimized_attention_override")
+    dm = getattr(getattr(model_patcher, "model", None), "diffusion_model", None)
+    kind = type(dm).__name__ if dm is not None else type(model_patcher).__name__
+    h3 = "MiniMax H3" if is_h3_model(dm) else f"NOT MiniMax H3 ({kind}): the counts and plans below are H3's"
+    if isinstance(override, SafeAttention):
+        return override.policy, f"model: {h3}; settings from the SafeSage Attention node on it"
+    return Policy(), (f"model: {h3}; no SafeSage Attention node on it (put one after the loader), "
+                      "its default settings assumed")
