@@ -136,13 +136,17 @@ def test_policy_rejects_bad_values():
 
 
 def test_h3_token_arithmetic():
+    """Worked by hand from H3's layout (video latent /16, 2x2 patches; 17k+5 frame grid, 5 frames
+    per latent step; stereo audio at 40 Hz); ComfyUI 0dd9b154's own PackedLayout agrees."""
     t = h3_tokens(1664, 960, 362, ref_images=3, text_tokens=0)
-    assert t.video == 107 * 30 * 52          # latent_t 107 (362 frames), 1560 tokens per frame
-    assert t.audio == 2 * 603                # 362/24 s at 40 Hz, stereo
-    assert t.refs == 3 * 1560
-    assert 160_000 < t.total < 180_000
+    # 362 = 17 * 21 + 5 is on the grid: 21 * 5 + 2 = 107 latent frames of (960/32) x (1664/32) tokens
+    assert t.video == 107 * 30 * 52 == 166_920
+    assert t.audio == 2 * 603                # 362/24 s at 40 Hz = 603.3, stereo
+    assert t.refs == 3 * 1560                # each reference one frame of the target's own size
+    assert t.total == 172_806
     small = h3_tokens(1344, 768, 124, text_tokens=0)
-    assert 36_000 < small.total < 40_000      # the reporter's clean ~38k size
+    # 124 = 17 * 7 + 5: 37 latent frames of 24 x 42 tokens; audio 2 * round(124 / 24 * 40) = 414
+    assert (small.video, small.audio, small.total) == (37 * 24 * 42, 414, 37_710)   # the reporter's clean size
 
 
 def test_preflight_plans_the_reporters_graph():

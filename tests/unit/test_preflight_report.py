@@ -30,6 +30,8 @@ def _report(rt, **kw):
 def test_this_gpu_with_sage22():
     r = _report(H200_SAGE22, free_bytes=80 * GiB, policy=Policy(kernel="sage"))
     (v,) = r["verdicts"]
+    # the reporter's graph: video 107 latent frames x 1,560 + audio 1,206 + 3 refs x 1,560 + text 256
+    # (worked out in test_patch_preflight.test_h3_token_arithmetic)
     assert v.scenario.label == "this GPU: NVIDIA H200 (sm_90)" and v.S == 173_062
     assert v.violations and v.safe_up_to == 99_865
     assert v.plan.kernel == "sage2_sm90" and v.plan.kind != "direct"
@@ -94,10 +96,13 @@ def test_comfy_count_absent_without_comfyui():
 
 
 def test_token_arithmetic_pads_odd_latents_like_comfyui():
-    # 976 / 16 = 61 latent rows, padded to 62 for the 2x2 patch: 31 token rows (not 976 // 32 = 30)
+    # 976 / 16 = 61 latent rows, padded to 62 for the 2x2 patch: 31 token rows (not 976 // 32 = 30);
+    # 560 / 16 = 35 -> 36: 18. 200 frames snap up to 209 = 17 * 12 + 5 on H3's grid: 12 * 5 + 2 = 62
+    # latent frames (ComfyUI 0dd9b154's PackedLayout gives the same 34,596 video tokens).
     t = h3.h3_tokens(976, 560, 200, ref_images=1, text_tokens=0)
-    assert t.video == h3.h3_latent_t(209) * 31 * 18
+    assert t.video == 62 * 31 * 18 == 34_596
     assert t.refs == 30 * 18                     # the reference is rounded to 960x576 first
+    assert t.audio == 2 * 348                    # 209 / 24 s at 40 Hz = 348.3, stereo
 
 
 def test_limits_lines_for_the_attention_node():
@@ -190,8 +195,10 @@ def test_comfy_kitchen_attention_in_the_report():
     """comfy-kitchen's int8_attention (--use-ck-attention): without a GPU both version envelopes;
     on a GPU the installed one, or why it is not usable. 0.2.29-0.2.35's limit is #178's 299,520."""
     from dataclasses import replace
-    S = h3.h3_tokens(1280, 720, 1201).total
-    assert S > 299_520
+    # 1201 frames snap up to 1212 = 17 * 71 + 5: 71 * 5 + 2 = 357 latent frames of 23 x 40 tokens
+    # (720 / 16 = 45 -> 46 / 2, 1280 / 32); audio 2 * round(1212 / 24 * 40) = 4,040; text 256
+    S = 357 * 23 * 40 + 4_040 + 256
+    assert S == 332_736 > 299_520
     r = preflight_report(1280, 720, 1201, rt=CPU, comfy_wants_sage=True)
     text = r["text"]
     assert "[comfy-kitchen 0.2.36-0.2.40 int8_attention -> ck_int8] limits: none crossed at " \
