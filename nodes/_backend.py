@@ -59,8 +59,8 @@ def require():
 def preflight_limits(policy) -> list[str]:
     """The SafeSage Attention node's preflight lines; a failure here never fails the node."""
     try:
-        from ..safe_ops.status import limits_lines
         from ..safe_ops.runtime import runtime
+        from ..safe_ops.status import limits_lines
         return limits_lines(runtime(), policy)
     except Exception as e:  # noqa: BLE001 - status text only
         log.warning("SafeSage: preflight lines unavailable: %s: %s", type(e).__name__, e)

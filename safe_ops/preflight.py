@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .envelope import FAMILIES, check
-from .h3 import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_TEXT_TOKENS, H3Tokens, attention_call_here, \
-    packed_tokens
+from .h3 import (H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_TEXT_TOKENS, H3Tokens, attention_call_here,
+                 packed_tokens)
 from .planner import Plan, choose, plan_for
 
 

@@ -85,7 +85,8 @@ def ck_lines(S: int, cks: list[CkVerdict], rt) -> tuple[list[str], list[str]]:
     return lines, warnings
 
 
-def _call_line(S: int) -> str:
+def call_line(S: int) -> str:
+    """The report's line on H3's attention call at ``S`` tokens: its shape, its strides, V's layout here."""
     layout, where = v_layout_here()
     v = ("V a view too" if layout == "strided"
          else f"V its own token-major copy (token stride {H3_HEADS * H3_HEAD_DIM:,})")
@@ -100,7 +101,7 @@ def report_lines(a: Assessment, model_note: str = "") -> tuple[list[str], list[s
              f"(-> {h3_frame_count(a.length)} on H3's 17k+5 grid), {a.ref_images} reference image(s)",
              f"packed tokens: {S:,} = video {t.video:,} + audio {t.audio:,} + references {t.refs:,} "
              f"+ text {t.text:,} (text varies with the prompt); counted with {t.source}",
-             _call_line(S),
+             call_line(S),
              f"runtime: {rt.summary()}",
              f"kernel policy: {policy.kernel}; mlp_chunking: {policy.mlp_chunking}"
              + (f" ({policy.mlp_chunk_tokens:,} tokens)" if policy.mlp_chunking == "tokens" else "")]

@@ -22,9 +22,9 @@ import comfy.cli_args  # noqa: E402
 comfy.cli_args.args.cpu = True
 import comfy.ldm.minimax.model  # noqa: E402,F401
 
-from safe_ops.h3 import (H3_HEAD_DIM, H3_HEADS, attention_call_here, comfy_v_layout, h3_attention_call,  # noqa: E402
-                         v_layout_here)
-from safe_ops.preflight_text import _call_line  # noqa: E402
+from safe_ops.h3 import (H3_HEAD_DIM, H3_HEADS, attention_call_here, comfy_v_layout,  # noqa: E402
+                         h3_attention_call, v_layout_here)
+from safe_ops.preflight_text import call_line  # noqa: E402
 
 
 def _source_copies_v() -> bool:
@@ -38,7 +38,7 @@ def test_v_layout_is_this_trees():
     assert comfy_v_layout() == want
     layout, where = v_layout_here()
     assert layout == want and "this ComfyUI" in where
-    line = _call_line(169_000)
+    line = call_line(169_000)
     assert ("own token-major copy" in line) == (want == "contiguous"), line
     v = attention_call_here(1000).v
     assert v.stride[2] == (H3_HEADS * H3_HEAD_DIM if want == "contiguous" else 3 * H3_HEADS * H3_HEAD_DIM)

@@ -8,11 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from safe_ops import h3
+from safe_ops import h3, status
 from safe_ops import preflight as pf
-from safe_ops import status
-from safe_ops.preflight_text import preflight_report
 from safe_ops.policy import Policy
+from safe_ops.preflight_text import preflight_report
 from safe_ops.runtime import Runtime
 
 REPO = Path(__file__).resolve().parents[2]
@@ -197,8 +196,8 @@ def test_comfy_kitchen_attention_in_the_report():
     from dataclasses import replace
     # 1201 frames snap up to 1212 = 17 * 71 + 5: 71 * 5 + 2 = 357 latent frames of 23 x 40 tokens
     # (720 / 16 = 45 -> 46 / 2, 1280 / 32); audio 2 * round(1212 / 24 * 40) = 4,040; text 256
+    # = 332,736, above 0.2.29-0.2.35's limit of 299,520
     S = 357 * 23 * 40 + 4_040 + 256
-    assert S == 332_736 > 299_520
     r = preflight_report(1280, 720, 1201, rt=CPU, comfy_wants_sage=True)
     text = r["text"]
     assert "[comfy-kitchen 0.2.36-0.2.40 int8_attention -> ck_int8] limits: none crossed at " \
