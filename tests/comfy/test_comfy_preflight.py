@@ -3,8 +3,10 @@ SafeSage Attention node's status text.
 
 The token count the node reports comes from ComfyUI's own H3 code where the tree has H3
 (0dd9b154: temporal_shape + PackedLayout); safe_ops.h3.h3_tokens is SafeSage's copy of
-that arithmetic for ComfyUI versions without H3. On an H3 tree these tests compare the two on
-the same inputs (sizes that are and are not multiples of 32, with and without references).
+that arithmetic for ComfyUI versions without H3. Every pass compares the node's count with
+counts worked by hand (HAND_COUNTS); on an H3 tree, where the node counts with ComfyUI's code,
+SafeSage's copy is compared with it too (sizes that are and are not multiples of 32, with and
+without references).
 """
 
 from __future__ import annotations
@@ -17,6 +19,27 @@ from comfy_server import has_minimax_h3
 from safe_ops.h3 import h3_tokens
 
 PF_DEFAULTS = {"width": 1664, "height": 960, "length": 362, "ref_images": 0, "text_tokens": 256}
+
+# (width, height, length, ref_images, text_tokens) -> packed tokens, worked by hand from H3's layout:
+# the length snaps up to 17k+5 frames, k*5+2 latent frames; a latent frame is (H/16 and W/16, each
+# padded to even) / 2 x 2 tokens; audio 2 * round(frames / 24 * 40); a reference is one frame of
+# the target rounded to 32 px (round half to even); plus text.
+HAND_COUNTS = {
+    # 362 = 17*21+5: 107 x (30 x 52) = 166,920 + audio 2*603 + 3 refs x 1,560 + 256
+    (1664, 960, 362, 3, 256): 166_920 + 1_206 + 4_680 + 256,
+    (1664, 960, 362, 3, 77): 166_920 + 1_206 + 4_680 + 77,
+    # 124 = 17*7+5: 37 x (24 x 42) = 37,296 + audio 2*207 + 256
+    (1344, 768, 124, 0, 256): 37_296 + 414 + 256,
+    # 121 -> 124: 37 x (720/16 = 45 -> 46: 23 x 40) = 34,040 + audio 414 + 77
+    (1280, 720, 121, 0, 77): 34_040 + 414 + 77,
+    # 200 -> 209: 62 x (976/16 = 61 -> 62: 31 x 560/16 = 35 -> 36: 18) = 34,596 + audio 2*348
+    # + 1 ref at 960x576: 30 x 18 + 77
+    (976, 560, 200, 1, 77): 34_596 + 696 + 540 + 77,
+    # 40 -> 56: 17 x (1000/16 = 62: 31 x 31) = 16,337 + audio 2*93 + 2 refs at 992x992: 2 x 31 x 31 + 77
+    (1000, 1000, 40, 2, 77): 16_337 + 186 + 1_922 + 77,
+    # 5 frames: 2 x (4 -> 2 x 2) = 8 + audio 2*8 + 77
+    (64, 64, 5, 0, 77): 8 + 16 + 77,
+}
 
 
 def _preflight_graph(model=None, **inputs):
@@ -51,7 +74,7 @@ def test_preflight_in_object_info(comfy):
 def test_reporters_size_on_cpu_reports_common_gpus(comfy):
     entry = comfy.run(_preflight_graph(ref_images=3, text_tokens=256))
     text = _text(entry)
-    assert _tokens(text) == h3_tokens(1664, 960, 362, ref_images=3, text_tokens=256).total == 173_062
+    assert _tokens(text) == HAND_COUNTS[(1664, 960, 362, 3, 256)] == 173_062
     assert "no CUDA device here" in text
     for arch in ("sm_89", "sm_90", "sm_120"):
         assert "[%s" % arch in text, arch
@@ -71,18 +94,21 @@ def test_reporters_size_on_cpu_reports_common_gpus(comfy):
 
 def test_small_size_crosses_nothing(comfy):
     text = _text(comfy.run(_preflight_graph(width=1344, height=768, length=124)))
-    assert _tokens(text) == h3_tokens(1344, 768, 124).total
+    assert _tokens(text) == HAND_COUNTS[(1344, 768, 124, 0, 256)]
     assert "limits: none crossed" in text and "WARNING" not in text
 
 
 def test_token_count_is_comfyuis_own(comfy):
-    """On a tree with H3 the node counts with ComfyUI's code; SafeSage's copy must agree."""
+    """On a tree with H3 the node counts with ComfyUI's code, and SafeSage's copy must agree with
+    it; without H3 it counts with the copy. Either way the count is the hand-worked one."""
     sizes = [(1664, 960, 362, 3), (1280, 720, 121, 0), (976, 560, 200, 1), (1000, 1000, 40, 2), (64, 64, 5, 0)]
     for w, h, n, refs in sizes:
         text = _text(comfy.run(_preflight_graph(width=w, height=h, length=n, ref_images=refs, text_tokens=77)))
-        assert _tokens(text) == h3_tokens(w, h, n, ref_images=refs, text_tokens=77).total, (w, h, n, refs)
+        got = _tokens(text)
+        assert got == HAND_COUNTS[(w, h, n, refs, 77)], (w, h, n, refs)
         if has_minimax_h3():
             assert "counted with ComfyUI's own H3 code" in text, text.splitlines()[1]
+            assert h3_tokens(w, h, n, ref_images=refs, text_tokens=77).total == got, (w, h, n, refs)
         else:
             assert "counted with SafeSage's copy" in text
 
