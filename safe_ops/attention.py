@@ -82,9 +82,14 @@ class SafeAttention:
         self._prepared: dict[tuple, _Prepared] = {}
         self._comfy_fns: dict[int, tuple] = {}      # id(func) -> (func, what runs in its place)
         self._guards: dict = {}                      # cuda device index -> the SafeAttention for its arch
-        self.broken: dict[str, str] = {}     # family -> why it is not used again in this process
         self._budget_reader = BudgetReader()
         self.executor = Executor(self.kernels, policy.debug_sync)
+
+    @property
+    def broken(self) -> dict[str, str]:
+        """Families whose build cannot run here: off for every call in this process (the report's
+        one list, so a SafeSage node applied later in the process knows them too)."""
+        return report.disabled_families()
 
     def __deepcopy__(self, memo):
         # Clones of a patched model share one override (its caches are process-wide
@@ -309,7 +314,8 @@ class SafeAttention:
         call = self._describe(n)
         cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
-        cand = [f for f in cand if f == "sdpa" or not (f in self.broken or
+        broken = self.broken
+        cand = [f for f in cand if f == "sdpa" or not (f in broken or
                                                        self.verifier.known_bad(self._class_key(f, call)))]
         envelopes = [self.kernels[f].envelope for f in cand]
         budget = self._budget(q.device)
@@ -357,7 +363,6 @@ class SafeAttention:
         memory, or any other error of one call: this call only)."""
         fam = plan.kernel
         if scope == "family":
-            self.broken[fam] = why
             report.disabled(fam, why)
             report.count("kernel_errors")
         elif scope == "class":

@@ -19,6 +19,7 @@ from .comfy_call import function_name, unguarded_kind
 from .mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .runtime import explain_auto, runtime
+from .status import process_lines
 
 log = logging.getLogger("SafeSage")
 
@@ -154,6 +155,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         lines.append(f"H3 MLPs patched: {mlp_summary['patched']} (chunking {policy.mlp_chunking})")
     else:
         lines.append(f"H3 MLPs not patched: {mlp_summary.get('skipped')}")
+    lines += process_lines(report.snapshot())     # what earlier prompts switched off
     for w in warnings:
         lines.append("WARNING: " + w)
         log.warning("SafeSage: %s", w)

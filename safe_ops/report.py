@@ -58,6 +58,12 @@ def disabled(family: str, why: str) -> None:
         DISABLED[family] = why
 
 
+def disabled_families() -> dict[str, str]:
+    """Kernel families switched off for this process -> why."""
+    with _lock:
+        return dict(DISABLED)
+
+
 def failed_check(call_class: str, why: str) -> None:
     with _lock:
         FAILED_CHECKS[call_class] = why

@@ -1,8 +1,9 @@
-"""Status lines of the SafeSage nodes that come from preflight's verdicts.
+"""Status lines of the SafeSage nodes that come from preflight's verdicts and the run report.
 
 :func:`limits_lines` closes the SafeSage Attention node's status text (its kernel's H3 limit
-on this GPU, and the plan for the reporter's graph); :func:`model_context` is what the
-Preflight node takes from the MODEL connected to it. The nodes call these through
+on this GPU, and the plan for the reporter's graph); :func:`process_lines` says what earlier
+prompts in this process switched off (kernel families, failed first-call checks);
+:func:`model_context` is what the Preflight node takes from the MODEL connected to it. The nodes call these through
 ``nodes/_backend.py`` and stay thin.
 """
 from __future__ import annotations
@@ -34,6 +35,22 @@ def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
     out.append("SafeSage Preflight (model/patch/attention) reports, for any H3 size before you queue it, "
                "the kernel limits it crosses and the plan SafeSage runs"
                + ("." if rt.arch is not None else " (here, without a GPU: for common GPUs)."))
+    return out
+
+
+def process_lines(snap: dict, show: int = 3) -> list[str]:
+    """Lines for the SafeSage Attention node's status from ``report.snapshot()``: kernel families
+    switched off in this process and call classes whose kernel failed the first-call check (both
+    keep ComfyUI's own attention for what they cover until ComfyUI restarts)."""
+    out = []
+    for fam, why in (snap.get("disabled_families") or {}).items():
+        out.append(f"WARNING: {fam} is off for this ComfyUI process (ComfyUI's own attention runs instead): {why}")
+    failed = snap.get("failed_checks") or {}
+    if failed:
+        shown = "; ".join(f"{cls}: {why}" for cls, why in list(failed.items())[:show])
+        more = f" (+{len(failed) - show} more, see /safesage/stats)" if len(failed) > show else ""
+        out.append(f"WARNING: {len(failed)} kind(s) of call failed the first-call check and run ComfyUI's own "
+                   f"attention: {shown}{more}")
     return out
 
 

@@ -831,13 +831,14 @@ def test_disabled_families_and_failed_checks_are_in_the_stats():
     cannot run here) and a class of call whose check failed, each with why."""
     def not_here(q, k, v, layout, scale):
         raise RuntimeError("SM90 kernel is not available. Make sure you GPUs with compute capability 9.0.")
+    att2, _ = make_attn(policy=Policy(kernel="sage", verify="first"), corrupt=corrupt_tail)
+    q2, k2, v2 = (torch.randn(1, 4, 128, 16) for _ in range(3))
+    att2(ComfyFunc(), q2, k2, v2, 4, skip_reshape=True)
+    # (in this order: once switched off, the family is off for every SafeSage in the process)
     att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(toy_envelope(), not_here, 0.05)],
                         rt=CPU_RT)
     q, k, v = h3_like(100)
     att(ComfyFunc(), q, k, v, 4, skip_reshape=True)
-    att2, _ = make_attn(policy=Policy(kernel="sage", verify="first"), corrupt=corrupt_tail)
-    q2, k2, v2 = (torch.randn(1, 4, 128, 16) for _ in range(3))
-    att2(ComfyFunc(), q2, k2, v2, 4, skip_reshape=True)
     snap = report.snapshot()
     assert "SM90 kernel is not available" in snap["disabled_families"]["toy_sage"]
     (cls, why), = snap["failed_checks"].items()

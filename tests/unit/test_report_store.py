@@ -125,3 +125,25 @@ def test_per_signature_caches_are_bounded(monkeypatch):
         assert out.shape == (1, S, 16), "the call still ran ComfyUI's function"
     assert len(att._prepared) == 2 and len(att._comfy_fns) == 2
     assert report.snapshot()["attention_calls"] == 5
+
+
+def test_the_node_status_shows_what_earlier_prompts_switched_off():
+    from safe_ops.status import process_lines
+    assert process_lines(report.snapshot()) == []
+    report.disabled("sage2_sm90", "RuntimeError: SM90 kernel is not available")
+    for i in range(5):
+        report.failed_check(f"sage2_sm80 shape{i}", "failed verification (rel. L2 0.4)")
+    lines = process_lines(report.snapshot())
+    assert len(lines) == 2
+    assert "sage2_sm90 is off" in lines[0] and "SM90 kernel is not available" in lines[0]
+    assert lines[1].startswith("WARNING: 5 kind(s) of call failed") and "shape2" in lines[1]
+    assert "shape3" not in lines[1] and "+2 more" in lines[1]
+
+
+def test_a_family_switched_off_is_off_for_a_later_safesage_too():
+    """The list of switched-off families is the report's: a SafeSage node applied later in the
+    process (a new SafeAttention) does not try the family again."""
+    first = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[], rt=CPU_RT)
+    report.disabled("toy_sage", "cannot run here")
+    later = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[], rt=CPU_RT)
+    assert first.broken == later.broken == {"toy_sage": "cannot run here"}
