@@ -64,11 +64,13 @@ def normalise(args: tuple, kwargs: dict) -> Normalised:
     Tensor = torch.Tensor
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         raise UnsupportedCall("q, k and v must be tensors")
+    if isinstance(heads, bool):              # operator.index(True) is 1
+        raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
     try:
         heads = operator.index(heads)        # an int, or an integer-like such as numpy.int64
     except TypeError:
         raise UnsupportedCall(f"heads must be a positive int, got {heads!r}") from None
-    if isinstance(heads, bool) or heads < 1:
+    if heads < 1:
         raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
     dq = q.get_device()                      # an int: cheaper than building torch.device objects
     if dq != k.get_device() or dq != v.get_device():

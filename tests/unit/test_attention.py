@@ -14,7 +14,7 @@ import torch
 from safe_ops import report
 from safe_ops.kernels import Kernel
 from safe_ops.attention import SafeAttention
-from safe_ops.comfy_call import normalise
+from safe_ops.comfy_call import UnsupportedCall, normalise
 from safe_ops.envelope import SAGE1_TRITON, AttnCall, IndexTerm, TensorDesc, check
 from safe_ops.policy import Policy
 from safe_ops.probe import Verifier
@@ -305,11 +305,30 @@ def test_plan_cache_is_per_shape():
     assert len(report.PLANS) == 1
 
 
-def test_normalise_rejects_and_accepts():
+def test_normalise_accepts_comfys_call_forms_as_views():
     q = torch.randn(1, 10, 64)
     n = normalise((q, q, q, 4), {})
-    assert n.q.shape == (1, 4, 10, 16) and n.caller_layout == "NHD"
+    assert n.q.shape == (1, 4, 10, 16) and n.caller_layout == "NHD" and n.heads == 4
     assert n.q.data_ptr() == q.data_ptr()   # a view, no copy
+    h = torch.randn(1, 4, 10, 16)
+    mask = torch.zeros(10, 10)
+    n = normalise((h, h, h, 4), {"skip_reshape": True, "skip_output_reshape": True, "mask": mask})
+    assert n.q is h and n.caller_layout == "HND" and n.skip_output_reshape
+    assert n.mask.shape == (1, 1, 10, 10) and n.mask.data_ptr() == mask.data_ptr()
+
+
+@pytest.mark.parametrize("args,kwargs,why", [
+    ((torch.randn(1, 10, 64),) * 3 + (True,), {}, "heads must be a positive int"),
+    ((torch.randn(1, 10, 64),) * 3 + (0,), {}, "heads must be a positive int"),
+    ((torch.randn(1, 10, 64),) * 3 + ("4",), {}, "heads must be a positive int"),
+    ((torch.randn(1, 10, 64), torch.randn(1, 10, 64).half(), torch.randn(1, 10, 64), 4), {}, "dtypes differ"),
+    ((torch.randn(1, 10, 64),) * 3 + (4,), {"skip_reshape": True}, "4-d"),
+    ((torch.randn(1, 10, 64), torch.randn(1, 10, 40), torch.randn(1, 10, 40), 4), {}, "do not fit head_dim"),
+    ((torch.randn(1, 10, 64),) * 3 + (4,), {"mask": [[0.0]]}, "mask must be a tensor"),
+])
+def test_normalise_rejects_what_it_cannot_read(args, kwargs, why):
+    with pytest.raises(UnsupportedCall, match=why):
+        normalise(args, kwargs)
 
 
 def test_verifier_failed_class_stays_failed():
