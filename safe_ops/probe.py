@@ -201,7 +201,3 @@ class Verifier:
     def verdicts(self) -> dict:
         with self._lock:
             return {"/".join(map(str, k)): (v.ok, round(v.error, 5)) for k, v in self._verdicts.items()}
-
-    def failed_families(self) -> set[str]:
-        with self._lock:
-            return {k[0] for k, v in self._verdicts.items() if not v.ok}

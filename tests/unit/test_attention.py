@@ -335,9 +335,11 @@ def test_verifier_failed_class_stays_failed():
     from safe_ops.probe import Verdict
     ver = Verifier("first")
     key = ("x",)
-    ver.record(key, Verdict(False, 1.0, 0.1))
+    failed = Verdict(False, 1.0, 0.1)
+    ver.record(key, failed)
     ver.record(key, Verdict(True, 0.0, 0.1))
-    assert ver.known_bad(key) is not None and ver.failed_families() == {"x"}
+    assert ver.known_bad(key) is failed and not ver.needs_probe(key)
+    assert ver.known_bad(("y",)) is None and ver.needs_probe(("y",))
 
 
 def test_full_precision_request_is_honoured():
