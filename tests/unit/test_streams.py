@@ -53,4 +53,7 @@ def test_a_guarded_call_keeps_none_of_its_copies_alive():
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     gc.collect()
     alive = [r() for r in seen if r() is not None]
-    assert len(seen) > 3 and not [t for t in alive if t.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()]
+    plan = next(iter(att._prepared.values())).plan
+    assert plan.kind == "head_groups" and plan.repack and len(kern.launches) == plan.launches > 1
+    assert len(seen) == 3 * plan.launches, "the spy saw every launch's q, k and v"
+    assert not [t for t in alive if t.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()]
