@@ -1,7 +1,7 @@
 """What the user asked for on the node, as one immutable value."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 KERNELS = ("auto", "sage", "sdpa")
 MLP_CHUNKING = ("auto", "off", "tokens")
@@ -26,6 +26,3 @@ class Policy:
             raise ValueError(f"SafeSage: verify must be one of {VERIFY}, got {self.verify!r}")
         if int(self.mlp_chunk_tokens) < 1:
             raise ValueError("SafeSage: mlp_chunk_tokens must be >= 1")
-
-    def with_(self, **kw) -> "Policy":
-        return replace(self, **kw)
