@@ -42,10 +42,6 @@ except Exception as e:  # noqa: BLE001 - any failure must be reported, not raise
     )
 
 
-def import_error() -> BaseException | None:
-    return _IMPORT_ERROR
-
-
 def require():
     """Return (Policy, apply_safesage, report) or raise SafeSageUnavailable."""
     if _IMPORT_ERROR is not None:
