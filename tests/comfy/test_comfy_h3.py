@@ -22,9 +22,13 @@ torch = pytest.importorskip("torch")
 
 from comfy_graphs import h3_graph, max_rel_diff, saved_latents, stats_delta
 
+from safe_ops.h3 import h3_tokens
+
 # fp8-dequantized weights are identical on both paths; chunked MLP and the attention override only
 # change summation order in fp32 on CPU.
 REL_TOL = 1e-3
+#: the graph's text: LotusConditioning's fixed prompt embedding is [1, 2, 1024]
+LOTUS_TEXT_TOKENS = 2
 
 
 def test_h3_tiny_model_is_informative(tiny_h3):
@@ -67,7 +71,9 @@ def test_h3_fp8_same_latent_mlps_patched_attention_counted(comfy, tiny_h3, seed_
     # the patched DiT-block MLPs really ran, chunked, once per forward each (the refiner's
     # MLP sees only the 2 text tokens: below one chunk), and none fell back to ComfyUI's MLP
     assert stats_delta(before, after, "mlp.chunked_calls") == tiny_h3["blocks"] * steps, after["mlp"]
-    assert stats_delta(before, after, "mlp.chunks") >= 2 * tiny_h3["blocks"] * steps, after["mlp"]
+    chunks = -(-h3_tokens(256, 256, 22, text_tokens=LOTUS_TEXT_TOKENS).total // 256)
+    assert chunks == 3, chunks                   # 448 video + 74 audio + 2 text tokens
+    assert stats_delta(before, after, "mlp.chunks") == chunks * tiny_h3["blocks"] * steps, after["mlp"]
     assert after["mlp"]["fallbacks"] == before["mlp"]["fallbacks"], after["mlp"]
 
 
