@@ -50,13 +50,9 @@ def test_broken_pack_is_reported_clearly_and_server_lives(broken_server, tiny_sd
     assert any("SafeSage" in l and ("IMPORT FAILED" in l or "Cannot import" in l) for l in relevant), relevant
     assert s.alive()
 
-    info = s.object_info()
-    if "SafeSageAttention" not in info:
-        # the pack chose not to register: ComfyUI's own summary must flag it
-        assert any("IMPORT FAILED" in l and PACK_DIR_NAME in l for l in relevant), relevant
-        return
-    # the node is listed but must refuse to run, naming the cause, instead of passing the model
-    # through unguarded
+    # the node is still listed (nodes/_backend.py catches the import error) but must refuse to run,
+    # naming the cause, instead of passing the model through unguarded
+    assert "SafeSageAttention" in s.object_info(), "the broken pack registered no node"
     pid = s.post_prompt(sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "broken", safesage={}))
     assert isinstance(pid, str), pid
     entry = s.wait_history(pid)
@@ -73,7 +69,5 @@ def test_broken_pack_stats_route_says_unavailable(broken_server):
     import requests
 
     r = requests.get(broken_server.url + "/safesage/stats", timeout=30)
-    if r.status_code == 404:
-        pytest.skip("the broken pack did not register /safesage/stats")
-    assert r.status_code == 503, (r.status_code, r.text[:500])
+    assert r.status_code == 503, (r.status_code, r.text[:500])   # registered, and says why it has nothing
     assert CAUSE in r.json()["error"]
