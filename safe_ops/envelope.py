@@ -15,12 +15,17 @@ so each product term must fit on its own, not their sum: measured with
 sageattention 1.0.6 on an H200 (HAZARDS.md H-1: 99,865 vs 99,866 strided;
 305,040 vs 305,041 contiguous, 56 heads x 128).
 
+Every tensor a term names is a *role* of the call: the caller's ``q``/``k``/``v``,
+``x:alloc`` (``torch.empty(x.shape)`` in the kernel's layout, :meth:`AttnCall.derived`), or a
+tensor the family itself makes from the call (a quantised copy, a transposed V, ...), listed
+in the family's ``Envelope.roles``. One :func:`check` evaluates every term on every role.
+
 ``check(call, envelope)`` returns :class:`Violation` records with the numbers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping
 
 I32_MAX = 2**31 - 1
 U32_MAX = 2**32 - 1
@@ -113,12 +118,17 @@ class IndexTerm:
     ``itype`` is the integer type of the product when the stride fits in its
     type (a kernel that casts the index to i64 first is listed as "i64").
     ``cite`` names the source line the term comes from.
+
+    ``stride_only``: the stride itself is handed over in ``itype`` (a C ``int`` parameter, a
+    TMA descriptor, a host-side check), so it must fit whatever the extent -- a batch stride
+    with one batch included -- and no Triton-style widening applies.
     """
     kernel: str
-    tensor: str        # "q", "k", "v", or "q:alloc" etc. (see AttnCall.derived)
-    axis: str          # "b" | "h" | "s"
+    tensor: str        # a role: "q", "k", "v", "q:alloc", or one of the family's Envelope.roles
+    axis: str          # "b" | "h" | "s" | "d"
     itype: str         # "i32" | "u32" | "i64"
     cite: str
+    stride_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,9 @@ class Envelope:
     last_dim_contiguous: bool = True             # kernel asserts stride(-1) == 1
     extra_rules: tuple[Callable[["AttnCall"], list[Violation]], ...] = field(default=(), compare=False)
     temp_bytes: Callable[["AttnCall"], int] | None = field(default=None, compare=False)
+    # Tensors the kernel makes from the call (quantised copies, transposed/padded V, ...), by
+    # role name: terms name them like "q" or "k:alloc" (see role()).
+    roles: Mapping[str, Callable[["AttnCall"], TensorDesc]] = field(default_factory=dict, compare=False)
     note: str = ""
     # The kernel can return the log-sum-exp of each query row (sage 2.x ``return_lse=True``),
     # so launches over slices of the keys can be merged exactly: the planner's ``kv_chunks``.
@@ -169,14 +182,24 @@ class Envelope:
     lse_time_factor: float = 1.0
 
 
-def term_value(call: AttnCall, term: IndexTerm) -> tuple[int, str]:
-    """Largest product the kernel computes for ``term`` and its effective int type."""
-    t = call.derived(term.tensor)
+def role(call: AttnCall, env: Envelope, name: str) -> TensorDesc:
+    """The tensor ``name`` of ``call`` as ``env``'s kernel sees it: one of the family's own
+    :attr:`Envelope.roles`, else a caller tensor or ``x:alloc`` (:meth:`AttnCall.derived`)."""
+    make = env.roles.get(name)
+    return make(call) if make is not None else call.derived(name)
+
+
+def term_value(call: AttnCall, term: IndexTerm, env: Envelope | None = None) -> tuple[int, str]:
+    """Largest value the kernel computes for ``term`` and its effective int type: the last
+    index times the stride, or (``stride_only``) the stride itself."""
+    t = role(call, env, term.tensor) if env is not None else call.derived(term.tensor)
     ax = _AXIS_INDEX[term.axis]
+    stride = t.stride[ax]
+    if term.stride_only:
+        return stride, term.itype
     extent = t.shape[ax]
     if extent <= 0:
         return 0, term.itype
-    stride = t.stride[ax]
     itype = term.itype
     if itype in ("i16", "i32") and stride > LIMITS[itype]:
         itype = "i64"    # Triton passes a stride >= 2**31 as i64, the product is i64
@@ -200,14 +223,16 @@ def check(call: AttnCall, env: Envelope) -> list[Violation]:
         if call.derived(tname).stride[3] != 1 and call.derived(tname).shape[3] > 1:
             out.append(Violation(env.family, "layout", f"{tname} last dim not contiguous"))
     for term in env.terms:
-        value, itype = term_value(call, term)
+        value, itype = term_value(call, term, env)
         limit = LIMITS[itype]
         if value > limit:
-            t = call.derived(term.tensor)
+            t = role(call, env, term.tensor)
             ax = _AXIS_INDEX[term.axis]
+            shape = "x".join(f"{n:,}" for n in t.shape)
+            what = (f"stride {value:,} of {term.tensor}.{term.axis} [{shape}] passed as {itype}" if term.stride_only
+                    else f"({t.shape[ax]:,}-1) x stride {t.stride[ax]:,} in {itype}")
             out.append(Violation(
-                env.family, "index",
-                f"{term.kernel}: ({t.shape[ax]:,}-1) x stride {t.stride[ax]:,} in {itype}",
+                env.family, "index", f"{term.kernel}: {what}",
                 tensor=term.tensor, axis=term.axis, value=value, limit=limit, cite=term.cite))
     for rule in env.extra_rules:
         out.extend(rule(call))

@@ -48,9 +48,8 @@ H200, bench/results/ck239_families_h200.json).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from .envelope import I32_MAX, AttnCall, Envelope, Violation, register
+from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
+from .versions import version_tuple
 
 SRC = "ck0.2.40:comfy_kitchen/sage_attention.py"
 CK_ISSUE = "comfy-kitchen #178"
@@ -76,40 +75,44 @@ def packed_v_len(call: AttnCall) -> int:
     return -(-call.kv_len // c) * c
 
 
-@dataclass(frozen=True)
-class CkStrideRule:
-    """comfy-kitchen's own int32 checks, evaluated on the call (rule "index": head groups and
-    query chunks fix them -- each product is per launch)."""
-    family: str
-    batch_strides: bool          # 0.2.29-0.2.35: int8 copies' batch strides must fit int32
+# comfy-kitchen's own copies as roles of the call (:260-288): int8 q and k, contiguous HND at
+# the kernel's head dim, and the packed V [B*H_kv*D, pad(L_k)] seen as (b, h_kv, pad(L_k), D).
+def _q_int8(call: AttnCall) -> TensorDesc:
+    b, h, lq, _ = call.q.shape
+    return TensorDesc.contiguous((b, h, lq, kernel_head_dim(call.head_dim)), "HND")
 
-    def __call__(self, call: AttnCall) -> list[Violation]:
-        b, h, lq, _ = call.q.shape
-        hk, lk = call.kv_heads, call.kv_len
-        dk = kernel_head_dim(call.head_dim)
-        pad = packed_v_len(call)
-        out: list[Violation] = []
 
-        def over(value: int, tensor: str, axis: str, what: str, cite: str) -> None:
-            if value > I32_MAX:
-                out.append(Violation(self.family, "index", what, tensor=tensor, axis=axis,
-                                     value=value, limit=I32_MAX, cite=cite))
+def _k_int8(call: AttnCall) -> TensorDesc:
+    b, hk, lk, _ = call.k.shape
+    return TensorDesc.contiguous((b, hk, lk, kernel_head_dim(call.head_dim)), "HND")
 
-        if self.batch_strides:
-            cite = f"{CK_ISSUE} (sage_sdpa's int32 stride check); {_cite('260-282')}"
-            over(h * lq * dk, "q_int8", "b", f"q_int8 batch stride {h}x{lq:,}x{dk} > int32", cite)
-            over(hk * lk * dk, "k_int8", "b", f"k_int8 batch stride {hk}x{lk:,}x{dk} > int32", cite)
-            over(hk * dk * pad, "v_int8", "b", f"packed V batch stride {hk}x{dk}x{pad:,} > int32", cite)
-        cite = f"{LAUNCHER}; {_cite('260-288')}"
-        over(lq * dk, "q_int8", "s", f"within-head offset {lq:,}x{dk} > int32", cite)
-        over(lk * dk, "k_int8", "s", f"within-head offset {lk:,}x{dk} > int32", cite)
-        over(dk * pad, "v_int8", "d", f"within-head offset {dk}x{pad:,} > int32", cite)
-        for name in ("q", "k", "v"):
-            t = getattr(call, name)
-            for ax, i in (("s", 2), ("d", 3)):
-                over(t.stride[i], name, ax, f"{name} stride({i}) {t.stride[i]:,} > int32",
-                     "comfy-kitchen 0.2.40 _C.abi3.so: 'sage_attn: within-head strides exceed int32 range'")
-        return out
+
+def _v_int8(call: AttnCall) -> TensorDesc:
+    b, hk = call.k.shape[:2]
+    dk, pad = kernel_head_dim(call.head_dim), packed_v_len(call)
+    return TensorDesc((b, hk, pad, dk), (hk * dk * pad, dk * pad, 1, pad))
+
+
+ROLES = {"q_int8": _q_int8, "k_int8": _k_int8, "v_int8": _v_int8}
+
+
+def _stride_terms(kernel: str, axes: tuple[tuple[str, str], ...], cite: str) -> tuple[IndexTerm, ...]:
+    """comfy-kitchen's int32 checks are on strides (host-side checks that raise, per launch:
+    head groups and query chunks fix them)."""
+    return tuple(IndexTerm(kernel, t, a, "i32", cite, stride_only=True) for t, a in axes)
+
+
+# 0.2.29-0.2.35: every int8 copy's batch stride (H*L*D; the packed V's H_kv*D*pad) fits int32
+_BATCH_STRIDES = _stride_terms("sage_sdpa batch stride", (("q_int8", "b"), ("k_int8", "b"), ("v_int8", "b")),
+                               f"{CK_ISSUE} (sage_sdpa's int32 stride check); {_cite('260-282')}")
+# every version: the within-head offsets L_q*D, L_k*D, D*pad(L_k) (each copy's head stride) and
+# the caller's token and channel strides
+_WITHIN_HEAD = (
+    _stride_terms("sage_attn within-head offset", (("q_int8", "h"), ("k_int8", "h"), ("v_int8", "h")),
+                  f"{LAUNCHER}; {_cite('260-288')}")
+    + _stride_terms("sage_attn within-head stride", tuple((t, a) for t in "qkv" for a in "sd"),
+                    "comfy-kitchen 0.2.40 _C.abi3.so: 'sage_attn: within-head strides exceed int32 range'")
+)
 
 
 def _temp_bytes(call: AttnCall) -> int:
@@ -137,8 +140,8 @@ def _envelope(family: str, batch_strides: bool, note: str) -> Envelope:
         head_dims=(64, 128, 256),            # run in place; others are padded copies (:218-229)
         dtypes=("float16", "bfloat16", "float32"),
         supports_mask=False,                 # it takes attn_mask, but SafeAttention sends masks to SDPA
-        terms=(),
-        extra_rules=(CkStrideRule(family, batch_strides),),
+        terms=(_BATCH_STRIDES if batch_strides else ()) + _WITHIN_HEAD,
+        roles=ROLES,
         launches_on_legacy_stream=False,     # current stream (:295)
         temp_bytes=_temp_bytes,
         returns_lse=False,                   # no LSE: no kv_chunks
@@ -153,19 +156,9 @@ CK_INT8_PRE236 = _envelope("ck_int8_pre236", True,
                            "fit int32 (comfy-kitchen #178: 299,521 keys at 56x128 raise OverflowError).")
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in (v or "").split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 def ck_family_for(version: str | None) -> str | None:
     """Envelope family of comfy-kitchen ``version``'s int8_attention; None if it has none."""
-    v = _version_tuple(version or "")
+    v = version_tuple(version)
     if not v:
         return None
     if v < (0, 2, 29):

@@ -1,4 +1,4 @@
-"""SageAttention 2.x (and a note on sage3) kernel families as data.
+"""SageAttention 2.2 kernel families as data (which one runs where: ``sage_dispatch``).
 
 Read from thu-ml/SageAttention tag ``v2.2.0`` (commit eb615cf6cf4d, 2025-10-28; its
 ``csrc/`` and ``sageattention/triton/`` are byte-identical to 0d30f5c, 2025-06-27, the
@@ -39,17 +39,16 @@ product itself passes 2**32. The sm90 attention kernel instead hands the strides
 a stride above INT_MAX sign-extends and the descriptor encode fails its ``assert``
 (:48, asserts are live: setup.py builds without -DNDEBUG) -- so there *every stride* of
 q_int8 / k_int8 / v_fp8 must fit in int32, even a batch stride multiplied by index 0
-(encode failure measured, see :class:`IntStrideRule`).
+(encode failure measured; the ``stride_only`` terms of ``sage2_sm90``).
 
 The CUDA attention kernels advance K/V pointers by ``CTA_K * stride`` per tile
 (qattn/attn_utils.cuh:115-141, 64-bit pointer increments), so their K/V token index is at
 most one tile: only the Q/O token index spans the whole sequence there.
 
-Terms on the caller's q/k/v and on ``x:alloc`` (torch.empty(x.shape)) are ordinary
-:class:`IndexTerm` s in ``Envelope.terms``. Tensors envelope.py cannot describe (k - km,
-the transposed/padded V, the fp8 V, sm90's 128-padded V) carry :class:`DerivedTerm` s,
-evaluated by a :class:`DerivedTermsRule` in ``extra_rules`` (same Violation format,
-rule "index"); the rule object exposes ``.terms`` for planners.
+Every term is an ordinary :class:`IndexTerm` in ``Envelope.terms``, on a role of the call:
+the caller's q/k/v, ``x:alloc`` (torch.empty(x.shape)), or one of the tensors sage makes
+from the call (k - km, the fp16 V, the transposed/padded V and its fp8 copy, sm90's
+128-padded V), listed in :data:`ROLES` -- one ``envelope.check`` evaluates them all.
 
 Boundaries (b=1, 56 heads, d=128; first unsafe length, index rules only):
 
@@ -66,7 +65,6 @@ sage2_sm90             99,866          299,521          299,521          H3: Tri
 sage2_fp8pv_perwarp    199,730         610,049          599,188          CUDA u32 (q/k/v
                                                                          token; v_fp8 head)
 sage2_sm120_fp8pv      150,000 (#388 length rule; index terms as sage2_fp8pv_perwarp)
-sage3_blackwell        70,017 (delta_s TMA batch stride, PR #394; HND only)
 =====================  ==============  ===============  ===============  =====================
 
 HAZARDS.md's "uint32 wrap at S = 199,728" is U32_MAX // 21504, the largest *index* that
@@ -81,12 +79,10 @@ envelopes list the native dims (64, 128) only and a caller wanting d=96 should p
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
 from typing import Callable
 
-from .envelope import (I32_MAX, LIMITS, AttnCall, Envelope, IndexTerm, TensorDesc,
-                       Violation, check, register)
+from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
+from .envelope_rules import KvLenRule
 
 TAG = "v2.2.0"
 TAG_COMMIT = "eb615cf6cf4d221338033340ee2de1c37fbdba4a"
@@ -133,7 +129,7 @@ def _ceil(x: int, m: int) -> int:
 # and calls with smooth_k=False: the keys are quantised exactly as in the unchunked call and
 # the LSE carries no rounded correction (Envelope.lse_centred_k).
 
-# ------------------------------------------------------------- derived tensors
+# ------------------------------------------------------------- roles (tensors sage makes)
 def dense_like(t: TensorDesc) -> TensorDesc:
     """Strides of a dense tensor that keeps ``t``'s dimension order.
 
@@ -175,7 +171,8 @@ def _v_sm90_in(call: AttnCall) -> TensorDesc:
     return TensorDesc.contiguous((b, h, _ceil(s, 128), d), call.layout)
 
 
-DERIVED: dict[str, Callable[[AttnCall], TensorDesc]] = {
+# The tensors sage 2.2 makes from the call, as roles its terms name (Envelope.roles).
+ROLES: dict[str, Callable[[AttnCall], TensorDesc]] = {
     # k - km (smooth_k, always on through sageattn), dense in k's dimension order
     "k_smooth": lambda c: dense_like(c.k),
     # v.to(torch.float16): the same tensor for fp16 input, a dense copy otherwise
@@ -188,146 +185,14 @@ DERIVED: dict[str, Callable[[AttnCall], TensorDesc]] = {
 }
 
 
-@dataclass(frozen=True)
-class DerivedTerm:
-    """Like :class:`IndexTerm`, on a tensor named in :data:`DERIVED` (or any AttnCall role)."""
-    kernel: str
-    tensor: str
-    axis: str          # "b" | "h" | "s" | "d"
-    itype: str         # "i32" (Triton) | "u32" (CUDA)
-    cite: str
-
-
-_AX = {"b": 0, "h": 1, "s": 2, "d": 3}
-
-
-def derived_desc(call: AttnCall, role: str) -> TensorDesc:
-    """A :data:`DERIVED` tensor, or a role :meth:`AttnCall.derived` knows (q, v, q:alloc...)."""
-    return DERIVED[role](call) if role in DERIVED else call.derived(role)
-
-
-def derived_value(call: AttnCall, term: DerivedTerm) -> tuple[int, str, TensorDesc]:
-    t = derived_desc(call, term.tensor)
-    ax = _AX[term.axis]
-    extent, stride = t.shape[ax], t.stride[ax]
-    itype = term.itype
-    if itype == "i32" and stride > I32_MAX:
-        itype = "i64"          # Triton specialises a stride >= 2**31 to i64
-    return (max(extent, 1) - 1) * stride, itype, t
-
-
-@dataclass(frozen=True)
-class DerivedTermsRule:
-    """extra_rule evaluating :class:`DerivedTerm` s; ``.terms`` is public data."""
-    family: str
-    terms: tuple[DerivedTerm, ...]
-
-    def __call__(self, call: AttnCall) -> list[Violation]:
-        out = []
-        for term in self.terms:
-            value, itype, t = derived_value(call, term)
-            limit = LIMITS[itype]
-            if value > limit:
-                ax = _AX[term.axis]
-                out.append(Violation(
-                    self.family, "index",
-                    f"{term.kernel}: ({t.shape[ax]:,}-1) x stride {t.stride[ax]:,} in {itype}",
-                    tensor=term.tensor, axis=term.axis, value=value, limit=limit, cite=term.cite))
-        return out
-
-
-@dataclass(frozen=True)
-class IntStrideRule:
-    """Every stride of the listed tensors must fit a C ``int`` (the sm90 TMA descriptors,
-    qk_int_sv_f8_cuda_sm90.cu:38 via :788-833 and :887-889), whatever the extent.
-
-    Measured on an H200 (driver 580, cuda.bindings, the exact create_tensor_map_4D
-    arguments): cuTensorMapEncodeTiled returns CUDA_ERROR_INVALID_VALUE (-> the live
-    ``assert`` at :48 aborts) for q_int8 [1,56,S,128] at S = 299,594 (batch stride
-    2,147,489,792) but not at 299,593, and for v_fp8 at Spad = 299,648 but not 299,520;
-    the same strides passed as 64-bit encode fine. A stride >= 2**32 wraps to a positive
-    int and encodes, wrongly (harmless only for a batch stride with b = 1): the rule
-    rejects every stride > INT_MAX, which is conservative for that case only."""
-    family: str
-    tensors: tuple[tuple[str, tuple[str, ...]], ...]    # (tensor role, axes)
-    cite: str
-
-    def __call__(self, call: AttnCall) -> list[Violation]:
-        out = []
-        for role, axes in self.tensors:
-            t = derived_desc(call, role)
-            for a in axes:
-                s = t.stride[_AX[a]]
-                if s > I32_MAX:
-                    out.append(Violation(
-                        self.family, "index",
-                        f"TMA descriptor: stride {s:,} of {role}.{a} passed as int "
-                        f"(sign-extends; cuTensorMapEncodeTiled fails its assert)",
-                        tensor=role, axis=a, value=s, limit=I32_MAX, cite=self.cite))
-        return out
-
-
-@dataclass(frozen=True)
-class KvLenRule:
-    """Evidence-based length limit (not index arithmetic)."""
-    family: str
-    max_exclusive: int
-    cite: str
-    why: str
-
-    def __call__(self, call: AttnCall) -> list[Violation]:
-        if call.kv_len >= self.max_exclusive:
-            return [Violation(self.family, "length",
-                              f"kv_len {call.kv_len:,} >= {self.max_exclusive:,}: {self.why}",
-                              value=call.kv_len, limit=self.max_exclusive - 1, cite=self.cite)]
-        return []
-
-
-@dataclass(frozen=True)
-class Sm90UnpaddedVRule:
-    """The sm90 kernel asserts ``value.size(3) >= div_ceil(kv_len, 128) * 128``
-    (qk_int_sv_f8_cuda_sm90.cu:692, :868) but ``per_channel_fp8`` pads V to a multiple of
-    64 only (quant.py:273). With kv_len = 128n + r the padded length is 128n + 64 for
-    r in 1..64 (assert fails -> abort) and 128n + 128 for r in 65..127 (passes). Only
-    callers that skip sageattn's own 128-pad (core.py:971-979) are exposed."""
-    family: str
-
-    def __call__(self, call: AttnCall) -> list[Violation]:
-        r = call.kv_len % 128
-        if 1 <= r <= 64:
-            return [Violation(self.family, "padding",
-                              f"kv_len % 128 = {r} in 1..64: per_channel_fp8 pads V to "
-                              f"{_ceil(call.kv_len, 64):,} < {_ceil(call.kv_len, 128):,}; "
-                              f"C++ assert aborts the process (pad V to a multiple of 128 first)",
-                              value=call.kv_len, cite=cite(f"{SM90}:868") + "; KJNodes PR #729, SageAttention #383")]
-        return []
-
-
-@dataclass(frozen=True)
-class LayoutRule:
-    family: str
-    layouts: tuple[str, ...]
-    cite: str
-
-    def __call__(self, call: AttnCall) -> list[Violation]:
-        if call.layout not in self.layouts:
-            return [Violation(self.family, "layout", f"layout {call.layout} not in {self.layouts}",
-                              cite=self.cite)]
-        return []
-
-
 # ------------------------------------------------------------- term builders
 def _terms(kernel: str, tensor: str, axes: str, itype: str, where: str) -> tuple[IndexTerm, ...]:
     return tuple(IndexTerm(kernel, tensor, a, itype, cite(where)) for a in axes)
 
 
-def _dterms(kernel: str, tensor: str, axes: str, itype: str, where: str) -> tuple[DerivedTerm, ...]:
-    return tuple(DerivedTerm(kernel, tensor, a, itype, cite(where)) for a in axes)
-
-
 # Triton per_thread quantiser (quant_per_thread.py). off_b/off_h are tl.program_id (i32,
 # :29-30, :56-57), offs_n = off_blk*BLK + arange (i32, :32, :75-76); each times an i32 stride.
-def _per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]]:
+def _per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[IndexTerm, ...]]:
     k = "quant_per_thread_int8"
     terms = (
         _terms(k, "q", "bhs", "i32", f"{PT}:35")            # input_ptrs, caller's q
@@ -339,14 +204,14 @@ def _per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]
         # made every strided H3 call past 99,865 copy k for nothing.)
         + _terms(k, "k:alloc", "bhs", "i32", f"{PT}:81")    # k_int8 :156
     )
-    dterms = _dterms(k, "k_smooth", "bhs", "i32", f"{PT}:159")   # k = k - km, then :79-80
+    smooth = _terms(k, "k_smooth", "bhs", "i32", f"{PT}:159")   # k = k - km, then :79-80
     # scales (:180-181, :37, :83): per (b, h) at most ceil(S/BLKQ)*(BLKQ/WARPQ)*8 <= S/4+32
     # floats, always far below q_int8's own terms; not listed.
-    return terms, dterms
+    return terms, smooth
 
 
 # Triton per_block quantiser, 2.2.0 copy (quant_per_block.py:28-36), used by sm86.
-def _per_block_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]]:
+def _per_block_triton() -> tuple[tuple[IndexTerm, ...], tuple[IndexTerm, ...]]:
     k = "quant_per_block_int8"
     terms = (
         _terms(k, "q", "bhs", "i32", f"{PB}:35")
@@ -354,8 +219,8 @@ def _per_block_triton() -> tuple[tuple[IndexTerm, ...], tuple[DerivedTerm, ...]]
         # caller's k: not indexed, `k - km` is (quant_per_block.py:52-53; see _per_thread_triton)
         + _terms(k, "k:alloc", "bhs", "i32", f"{PB}:36")
     )
-    dterms = _dterms(k, "k_smooth", "bhs", "i32", f"{PB}:54")
-    return terms, dterms
+    smooth = _terms(k, "k_smooth", "bhs", "i32", f"{PB}:54")
+    return terms, smooth
 
 
 # CUDA per_warp q quant + per_block(+sub_mean) k quant (quant.py:172-176 ->
@@ -373,11 +238,11 @@ def _per_warp_cuda() -> tuple[IndexTerm, ...]:
 # per_channel_fp8 (quant.py:224-293): TransposePadPermuteKernel (fused.cu:262-313,
 # launched :914) reads V by (b, h, token) and writes the transposed copy by (b, h, d);
 # MeanScaleKernel (fused.cu:316-427, launched :987) reads/writes it by (b, h, d).
-def _v_fp8_dterms(src: str, vt: str) -> tuple[DerivedTerm, ...]:
+def _v_fp8_terms(src: str, vt: str) -> tuple[IndexTerm, ...]:
     return (
-        _dterms("TransposePadPermuteKernel", src, "bhs", "u32", f"{FUSED}:281")
-        + _dterms("TransposePadPermuteKernel", vt, "bhd", "u32", f"{FUSED}:282")
-        + _dterms("MeanScaleKernel", vt, "bhd", "u32", f"{FUSED}:338-339")
+        _terms("TransposePadPermuteKernel", src, "bhs", "u32", f"{FUSED}:281")
+        + _terms("TransposePadPermuteKernel", vt, "bhd", "u32", f"{FUSED}:282")
+        + _terms("MeanScaleKernel", vt, "bhd", "u32", f"{FUSED}:338-339")
     )
 
 
@@ -436,12 +301,11 @@ SAGE2_SM80 = register(Envelope(
     head_dims=(64, 128),                   # dispatch_utils.h:23-34 (core.py:560-570 pads others)
     dtypes=("float16", "bfloat16"),        # core.py:541
     supports_mask=False,                   # no attn_mask parameter; sageattn drops kwargs
-    terms=_t + _cuda_attn_qo("qk_int_sv_f16_attn_kernel", f"{SM80}:198", f"{SM80}:199", f"{SM80}:634"),
-    extra_rules=(DerivedTermsRule("sage2_sm80", _d + (
-        # V (fp16, last dim contiguous only, :695) by (b, h) + one tile (:200, :256-257)
-        DerivedTerm("qk_int_sv_f16_attn_kernel", "v_fp16", "b", "u32", cite(f"{SM80}:200")),
-        DerivedTerm("qk_int_sv_f16_attn_kernel", "v_fp16", "h", "u32", cite(f"{SM80}:200")),
-    )),),
+    terms=_t + _cuda_attn_qo("qk_int_sv_f16_attn_kernel", f"{SM80}:198", f"{SM80}:199", f"{SM80}:634")
+    + _d
+    # V (fp16, last dim contiguous only, :695) by (b, h) + one tile (:200, :256-257)
+    + _terms("qk_int_sv_f16_attn_kernel", "v_fp16", "bh", "u32", f"{SM80}:200"),
+    roles=ROLES,
     launches_on_legacy_stream=True,        # qk_int_sv_f16_cuda_sm80.cu:822 <<<grid, block, smem>>>
     temp_bytes=_sm80_temp_bytes,
     note=("sageattn on sm80: sageattn_qk_int8_pv_fp16_cuda(qk_quant_gran='per_thread' (default), "
@@ -474,8 +338,8 @@ SAGE2_SM86_TRITON = register(Envelope(
         IndexTerm("attn_qk_int8_per_block", "q:alloc", "b", "i64", cite(f"{TATTN}:91")),
         IndexTerm("attn_qk_int8_per_block", "q:alloc", "h", "i64", cite(f"{TATTN}:92")),
         # K/V: (b, h) in i64, tokens one BLOCK_N tile then pointer increments (:70-72, :102-104)
-    ),
-    extra_rules=(DerivedTermsRule("sage2_sm86_triton", _d),),
+    ) + _d,
+    roles=ROLES,
     launches_on_legacy_stream=False,       # Triton only: torch's current stream
     temp_bytes=_sm86_temp_bytes,
     note="sageattn on sm86: sageattn_qk_int8_pv_fp16_triton (core.py:147), all Triton.",
@@ -499,7 +363,7 @@ _FP8_ATTN_Q = _cuda_attn_qo("qk_int_sv_f8_attn_kernel", f"{SM89}:200", f"{SM89}:
 # V fp8 (b, h, d) + tokens by pointer increments (qk_int_sv_f8_cuda_sm89.cuh:203, :263-264);
 # the launcher CHECK_CONTIGUOUS(value) (sm89_..._inst_buf.cu:26) and asserts
 # value.size(3) >= ceil(kv_len/64)*64 (:130), which per_channel_fp8's pad-to-64 meets.
-_FP8_ATTN_V = _dterms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:203")
+_FP8_ATTN_V = _terms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:203")
 
 _t, _d = _per_thread_triton()
 SAGE2_SM89_FP8PV = register(Envelope(
@@ -509,8 +373,8 @@ SAGE2_SM89_FP8PV = register(Envelope(
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),        # core.py:725
     supports_mask=False,
-    terms=_t + _FP8_ATTN_Q,
-    extra_rules=(DerivedTermsRule("sage2_sm89_fp8pv", _d + _v_fp8_dterms("v", "v_t") + _FP8_ATTN_V),),
+    terms=_t + _FP8_ATTN_Q + _d + _v_fp8_terms("v", "v_t") + _FP8_ATTN_V,
+    roles=ROLES,
     launches_on_legacy_stream=True,        # fused.cu:914, :987; sm89_..._inst_buf.cu:162
     temp_bytes=lambda c: _fp8_temp_bytes(c, per_thread=True),
     note=("sageattn on sm89: sageattn_qk_int8_pv_fp8_cuda(qk_quant_gran='per_thread' (default!), "
@@ -518,7 +382,7 @@ SAGE2_SM89_FP8PV = register(Envelope(
           "CUDA per_channel_fp8 (core.py:807), sm89 fp8 kernel accum f16 inst_buf (core.py:816-817)."),
 ))
 
-_FP8_PERWARP_RULES = _v_fp8_dterms("v", "v_t") + _FP8_ATTN_V
+_FP8_PERWARP = _per_warp_cuda() + _FP8_ATTN_Q + _v_fp8_terms("v", "v_t") + _FP8_ATTN_V
 SAGE2_FP8PV_PERWARP = register(Envelope(
     family="sage2_fp8pv_perwarp",
     **SAGE2_LSE,
@@ -526,8 +390,8 @@ SAGE2_FP8PV_PERWARP = register(Envelope(
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
     supports_mask=False,
-    terms=_per_warp_cuda() + _FP8_ATTN_Q,
-    extra_rules=(DerivedTermsRule("sage2_fp8pv_perwarp", _FP8_PERWARP_RULES),),
+    terms=_FP8_PERWARP,
+    roles=ROLES,
     launches_on_legacy_stream=True,        # fused.cu:752, :667, :914, :987; sm89_..._inst_buf.cu:162
     temp_bytes=lambda c: _fp8_temp_bytes(c, per_thread=False),
     note=("Direct call sageattn_qk_int8_pv_fp8_cuda(qk_quant_gran='per_warp', pv_accum_dtype='fp32+fp16'): "
@@ -542,9 +406,9 @@ SAGE2_SM120_FP8PV = register(Envelope(
     head_dims=(64, 128),
     dtypes=("float16", "bfloat16"),
     supports_mask=False,
-    terms=_per_warp_cuda() + _FP8_ATTN_Q,
+    terms=_FP8_PERWARP,
+    roles=ROLES,
     extra_rules=(
-        DerivedTermsRule("sage2_sm120_fp8pv", _FP8_PERWARP_RULES),
         KvLenRule("sage2_sm120_fp8pv", FP8_SM120_MAX_KV_LEN,
                   "SageAttention #388 (RTX PRO 6000 sm_120, sage 2.2.0, MiniMax H3: clean <~154k, noise "
                   ">~160k; also #391/#403, ComfyUI #15263); evidence-based, mechanism unknown (HAZARDS.md H-1, H-6)",
@@ -566,11 +430,19 @@ def _sm90_temp_bytes(call: AttnCall) -> int:
 
 
 _t, _d = _per_thread_triton()
-_SM90_INT_STRIDES = IntStrideRule(
-    "sage2_sm90",
-    (("q:alloc", ("b", "h", "s")), ("k:alloc", ("b", "h", "s")), ("v_t128", ("b", "h", "d"))),
-    cite(f"{SM90}:38") + " (int strides from :788-833, maps :887-889)",
-)
+# Every stride of q_int8 / k_int8 / v_fp8 reaches a TMA descriptor as a C int (:38 via :788-833
+# and :887-889), whatever the extent. Measured on an H200 (driver 580, cuda.bindings, the exact
+# create_tensor_map_4D arguments): cuTensorMapEncodeTiled returns CUDA_ERROR_INVALID_VALUE (-> the
+# live ``assert`` at :48 aborts) for q_int8 [1,56,S,128] at S = 299,594 (batch stride
+# 2,147,489,792) but not at 299,593, and for v_fp8 at Spad = 299,648 but not 299,520; the same
+# strides passed as 64-bit encode fine. A stride >= 2**32 wraps to a positive int and encodes,
+# wrongly (harmless only for a batch stride with b = 1): every stride > INT_MAX is refused,
+# which is conservative for that case only.
+_SM90_TMA = "TMA descriptor (sm90, cuTensorMapEncodeTiled)"
+_SM90_INT_STRIDES = tuple(
+    IndexTerm(_SM90_TMA, role, a, "i32", cite(f"{SM90}:38") + " (int strides from :788-833, maps :887-889)",
+              stride_only=True)
+    for role, axes in (("q:alloc", "bhs"), ("k:alloc", "bhs"), ("v_t128", "bhd")) for a in axes)
 SAGE2_SM90 = register(Envelope(
     family="sage2_sm90",
     **SAGE2_LSE,
@@ -584,11 +456,8 @@ SAGE2_SM90 = register(Envelope(
         IndexTerm("qk_int8_sv_f8_attn_kernel(sm90)", "q:alloc", "b", "u32", cite(f"{SM90}:517")),
         IndexTerm("qk_int8_sv_f8_attn_kernel(sm90)", "q:alloc", "h", "u32", cite(f"{SM90}:517")),
         IndexTerm("qk_int8_sv_f8_attn_kernel(sm90)", "q:alloc", "s", "u32", cite(f"{SM90}:517")),
-    ),
-    extra_rules=(
-        DerivedTermsRule("sage2_sm90", _d + _v_fp8_dterms("v_pad128", "v_t128")),
-        _SM90_INT_STRIDES,
-    ),
+    ) + _d + _v_fp8_terms("v_pad128", "v_t128") + _SM90_INT_STRIDES,
+    roles=ROLES,
     launches_on_legacy_stream=True,        # fused.cu:914, :987; qk_int_sv_f8_cuda_sm90.cu:898
     temp_bytes=_sm90_temp_bytes,
     note=("sageattn on sm90: sageattn_qk_int8_pv_fp8_cuda_sm90(qk_quant_gran='per_thread', "
@@ -598,151 +467,5 @@ SAGE2_SM90 = register(Envelope(
           "garbage on an H200 with no error -- verify before trusting."),
 ))
 
-SAGE2_SM90_UNPADDED_V = register(Envelope(
-    family="sage2_sm90_unpadded_v",
-    source=SOURCE,
-    head_dims=(64, 128),
-    dtypes=("float16", "bfloat16"),
-    supports_mask=False,
-    terms=SAGE2_SM90.terms,
-    extra_rules=(
-        DerivedTermsRule("sage2_sm90_unpadded_v", _d + _v_fp8_dterms("v", "v_t")),
-        IntStrideRule("sage2_sm90_unpadded_v",
-                      (("q:alloc", ("b", "h", "s")), ("k:alloc", ("b", "h", "s")), ("v_t", ("b", "h", "d"))),
-                      cite(f"{SM90}:38")),
-        Sm90UnpaddedVRule("sage2_sm90_unpadded_v"),
-    ),
-    launches_on_legacy_stream=True,
-    temp_bytes=lambda c: _fp8_temp_bytes(c, per_thread=True, pad=64, blkq=64, warpq=16, blkk=128, warpk=128),
-    note=("Callers that quantise V with per_channel_fp8 and call the sm90 kernel themselves "
-          "(e.g. KJNodes' mem-efficient H3 patch before PR #729) without sageattn's 128-pad."),
-))
-
-
-# ------------------------------------------------------------------ sage3 (note)
-def _sage3_delta_s_rule(call: AttnCall) -> list[Violation]:
-    # delta_s = matmul(qm, k^T).contiguous(): [b, h, ceil(Lq/128), ceil128(Lk)] fp32
-    # (sageattn3/api.py:85-91); its batch stride reaches a TMA descriptor as int32.
-    b, h, sq, _ = call.q.shape
-    stride_b = h * (-(-sq // 128)) * _ceil(call.kv_len, 128)
-    if stride_b > I32_MAX:
-        return [Violation("sage3_blackwell", "index",
-                          f"delta_s batch stride {h}*ceil({sq:,}/128)*ceil128({call.kv_len:,}) = {stride_b:,} "
-                          f"> int32 (malformed TMA descriptor, illegal instruction)",
-                          tensor="delta_s", axis="b", value=stride_b, limit=I32_MAX,
-                          cite="SageAttention PR #394 (reported); " + cite("sageattention3_blackwell/sageattn3/api.py:91"))]
-    return []
-
-
-def _sage3_temp_bytes(call: AttnCall) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    sqp, skp = _ceil(sq, 128), _ceil(sk, 128)
-    n = call.elt_bytes * (b * h * sqp * d + 2 * b * hk * skp * d)       # padded contiguous q, k, v
-    n += (b * h * sqp * d + 2 * b * hk * skp * d) // 2                  # fp4 payloads (+ small scales)
-    n += 4 * b * h * (sqp // 128) * skp                                 # delta_s fp32
-    n += 2 * call.elt_bytes * b * h * sqp * d                           # output + [:QL].contiguous()
-    return n
-
-
-SAGE3_BLACKWELL = register(Envelope(
-    family="sage3_blackwell",
-    source=f"sageattn3 (thu-ml/SageAttention@{TAG}:sageattention3_blackwell)",
-    head_dims=(64, 128),
-    dtypes=("float16", "bfloat16"),
-    supports_mask=False,
-    terms=(),
-    extra_rules=(_sage3_delta_s_rule,
-                 LayoutRule("sage3_blackwell", ("HND",), cite("sageattention3_blackwell/sageattn3/api.py:78"))),
-    launches_on_legacy_stream=False,       # not read: treat as unknown, fence anyway
-    temp_bytes=_sage3_temp_bytes,
-    note=("Separate package (sageattn3.sageattn3_blackwell), never dispatched by sageattn; sm120/121 only "
-          "(blackwell/api.cu TORCH_CHECK). HND only (api.py:78). MUTATES the caller's k in place "
-          "(`k -= k.mean(...)`, api.py:84) -- pass a copy. Index arithmetic of the CUDA side not read "
-          "here; only the reported delta_s TMA stride limit (PR #394) is encoded. Not verified."),
-))
-
-
-# ----------------------------------------------------------------- dispatch
-_SAGE22_DISPATCH = {
-    (8, 0): "sage2_sm80",            # core.py:144-145
-    (8, 6): "sage2_sm86_triton",     # core.py:146-147
-    (8, 9): "sage2_sm89_fp8pv",      # core.py:148-149
-    (9, 0): "sage2_sm90",            # core.py:150-151
-    (12, 0): "sage2_sm120_fp8pv",    # core.py:152-153
-    # sm121: ValueError at the v2.2.0 tag (core.py:154-155); main after the tag (c03f15f,
-    # still version "2.2.0") dispatches it exactly like sm120. If a tag build raises, nothing
-    # was launched (a Python ValueError), so mapping it is safe.
-    (12, 1): "sage2_sm120_fp8pv",
-}
-
-
-def _version_tuple(v: str) -> tuple[int, ...]:
-    m = re.match(r"^\s*v?(\d+)(?:\.(\d+))?(?:\.(\d+))?", v or "")
-    if not m:
-        return ()
-    return tuple(int(x) for x in m.groups() if x is not None)
-
-
-def family_for(sage_version: str, arch: tuple[int, int]) -> str | None:
-    """Which envelope family ``sageattn`` of ``sage_version`` runs on compute capability ``arch``.
-
-    1.x -> "sage1_triton" (Triton on sm80+). 2.2.x -> the table above. 2.0.x/2.1.x have other
-    dispatchers and kernels (2.1.0 sends sm89 to pv fp32+fp32, 2.0.1 sends sm90 to the fp16
-    CUDA kernel) and were not read: None, i.e. not known to be safe. None for unsupported arch.
-    """
-    v = _version_tuple(sage_version)
-    if not v or arch is None:
-        return None
-    arch = (int(arch[0]), int(arch[1]))
-    if v[0] == 1:
-        return "sage1_triton" if arch >= (8, 0) else None
-    if v[0] == 2 and len(v) >= 2 and v[1] == 2:
-        return _SAGE22_DISPATCH.get(arch)
-    return None
-
-
-# What to call so that the executed kernel is exactly the envelope (sageattention 2.2.0).
-# Signatures (core.py): every function is
-#   f(q, k, v, tensor_layout="HND", is_causal=False, [qk_quant_gran=...], sm_scale=None,
-#     [pv_accum_dtype=...], smooth_k=True, [smooth_v=False], return_lse=False, **kwargs)
-SAGEATTN_CALL: dict[str, tuple[str, dict]] = {
-    "sage2_sm80": ("sageattn_qk_int8_pv_fp16_cuda", {"qk_quant_gran": "per_thread", "pv_accum_dtype": "fp32"}),
-    "sage2_sm86_triton": ("sageattn_qk_int8_pv_fp16_triton", {"quantization_backend": "triton"}),
-    "sage2_sm89_fp8pv": ("sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_thread", "pv_accum_dtype": "fp32+fp16"}),
-    "sage2_fp8pv_perwarp": ("sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"}),
-    "sage2_sm120_fp8pv": ("sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"}),
-    "sage2_sm90": ("sageattn_qk_int8_pv_fp8_cuda_sm90", {"qk_quant_gran": "per_thread", "pv_accum_dtype": "fp32+fp32"}),
-}
-
-# Archs whose extension carries each family's kernels in a 2.2.0 build (setup.py:166, :178, :196).
-RUNS_ON: dict[str, tuple[tuple[int, int], ...]] = {
-    "sage2_sm80": ((8, 0), (8, 6), (8, 9), (9, 0), (12, 0)),
-    "sage2_sm86_triton": ((8, 0), (8, 6), (8, 9), (9, 0)),
-    "sage2_sm89_fp8pv": ((8, 9), (9, 0), (12, 0)),
-    "sage2_fp8pv_perwarp": ((8, 9), (9, 0), (12, 0)),
-    "sage2_sm120_fp8pv": ((12, 0), (12, 1)),
-    "sage2_sm90": ((9, 0),),
-    "sage2_sm90_unpadded_v": ((9, 0),),
-    "sage3_blackwell": ((12, 0), (12, 1)),
-}
-
 SAGE2_FAMILIES = (SAGE2_SM80, SAGE2_SM86_TRITON, SAGE2_SM89_FP8PV, SAGE2_FP8PV_PERWARP,
-                  SAGE2_SM120_FP8PV, SAGE2_SM90, SAGE2_SM90_UNPADDED_V, SAGE3_BLACKWELL)
-
-
-def first_unsafe(env: Envelope, make_call: Callable[[int], AttnCall], lo: int, hi: int,
-                 rules: tuple[str, ...] | None = None) -> int | None:
-    """Smallest n in (lo, hi] with a violation (of ``rules`` if given), assuming ``lo`` is
-    safe and violations are monotone in n. None when ``hi`` is still safe."""
-    def bad(n: int) -> bool:
-        vs = check(make_call(n), env)
-        return any(rules is None or v.rule in rules for v in vs)
-    if not bad(hi):
-        return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if bad(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi
+                  SAGE2_SM120_FP8PV, SAGE2_SM90)

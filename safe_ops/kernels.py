@@ -11,10 +11,12 @@ from typing import Callable
 
 import torch
 
-from . import envelope_ck  # noqa: F401  (registers the comfy-kitchen families)
+from . import envelope_ck, envelope_sage2  # noqa: F401  (register the comfy-kitchen and sage 2.x families)
 from .envelope import FAMILIES, SDPA, Envelope
+from .envelope_rules import KvLenRule
 from .probe import DEFAULT_TOLERANCE, TOLERANCE
 from .runtime import Runtime, measured_tflops, runtime
+from .sage_dispatch import SAGE1, runs_on, sage_fns
 
 KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"], torch.Tensor]
 KernelLseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"],
@@ -64,53 +66,21 @@ SDPA_KERNEL = Kernel(SDPA, _sdpa_fn, TOLERANCE["sdpa"])
 
 
 def sage_kernel(rt: Runtime) -> Kernel | None:
-    """The installed sageattention as a Kernel, or None (reason in ``rt.sage_error``).
-
-    sage 1.x: ``sageattn`` with ``smooth_k=False`` (as ComfyUI calls it; 1.x would
-    otherwise subtract the mean from the caller's k in place). sage 2.2: the
-    per-family function ``sageattn`` itself dispatches to on this arch, called
-    with explicit arguments so the kernel that runs is exactly the envelope
-    checked (``envelope_sage2.SAGEATTN_CALL``); 2.2's ``sageattn`` drops
-    ``smooth_k``, so the functions' own default (on) is kept, as in ComfyUI.
-    """
-    fam = rt.sage_family
-    if fam is None or fam not in FAMILIES:
-        return None
-    if fam == "sage1_triton":
-        from sageattention import sageattn
-
-        def fn(q, k, v, layout, scale):
-            return sageattn(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, smooth_k=False)
-
-        return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE))
-    return sage2_kernel(fam)
+    """The installed sageattention as a Kernel, or None (reason in ``rt.sage_error``): the family
+    ``sageattn`` dispatches to here, called as ``sage_dispatch.sage_fns`` says."""
+    return sage2_kernel(rt.sage_family) if rt.sage_family is not None else None
 
 
 def sage2_kernel(fam: str) -> Kernel | None:
-    """The sage 2.2 family ``fam`` as a Kernel (None when this build lacks its function).
+    """The sage family ``fam`` as a Kernel (None when this build lacks its function).
 
-    ``fn_lse`` (for kv_chunks) calls the same function with ``return_lse=True`` and
-    ``smooth_k=False`` on keys the plan already centred (``Envelope.lse_centred_k``).
-    """
-    from .envelope_sage2 import SAGEATTN_CALL
-    try:
-        import sageattention
-    except Exception:
+    ``fn_lse`` (sage 2.2, for kv_chunks): see ``sage_dispatch.sage_fns``."""
+    if fam not in FAMILIES:
         return None
-    if fam not in SAGEATTN_CALL or fam not in FAMILIES or not hasattr(sageattention, SAGEATTN_CALL[fam][0]):
+    fns = sage_fns(fam)
+    if fns is None:
         return None
-    name, extra = SAGEATTN_CALL[fam]
-    f = getattr(sageattention, name)
-
-    def fn(q, k, v, layout, scale):
-        return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **extra)
-
-    def fn_lse(q, k, v, layout, scale):
-        # keys arrive centred on the whole sequence's mean (Envelope.lse_centred_k): no
-        # per-chunk smoothing, and core.py returns lse / log2(e) with no rounded correction
-        return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale,
-                 return_lse=True, **{**extra, "smooth_k": False})
-
+    fn, fn_lse = fns
     return Kernel(FAMILIES[fam], fn, TOLERANCE.get(fam, DEFAULT_TOLERANCE), fn_lse)
 
 
@@ -145,12 +115,11 @@ def installed_kernels(rt: Runtime) -> list[Kernel]:
     per_warp FP8-PV on sm_120 without #388's length rule), fastest first; then comfy-kitchen."""
     first = sage_kernel(rt)
     out = [first]
-    from .envelope_sage2 import RUNS_ON, KvLenRule
-    if (first is not None and first.family != "sage1_triton" and rt.arch is not None
+    if (first is not None and first.family != SAGE1 and rt.arch is not None
             and not any(isinstance(r, KvLenRule) for r in first.envelope.extra_rules)):
         tflops = measured_tflops(rt.arch_name)
         for fam in sorted(tflops, key=lambda f: -tflops[f]):
-            if fam != first.family and tuple(rt.arch) in RUNS_ON.get(fam, ()):
+            if fam != first.family and runs_on(fam, rt.arch):
                 out.append(sage2_kernel(fam))
     out.append(ck_kernel(rt))
     return [kk for kk in out if kk is not None]

@@ -118,7 +118,7 @@ def _candidates(policy, rt, family: str | None, comfy_wants_sage: bool) -> list[
 
 
 def _safe_up_to(family: str, hi: int = 2_000_000) -> int | None:
-    from .envelope_sage2 import first_unsafe
+    from .envelope_rules import first_unsafe
     env = FAMILIES[family]
     bad = first_unsafe(env, attention_call_here, 1, hi)
     return None if bad is None else bad - 1

@@ -33,8 +33,6 @@ TOLERANCE = {
     "sage2_fp8pv_perwarp": 0.12,
     "sage2_sm120_fp8pv": 0.12,
     "sage2_sm90": 0.12,
-    "sage2_sm90_unpadded_v": 0.12,
-    "sage3_blackwell": 0.15,     # fp4: not measured here
     "sdpa": 0.01,
 }
 DEFAULT_TOLERANCE = 0.12

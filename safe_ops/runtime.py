@@ -1,4 +1,5 @@
-"""What is here: GPU arch, torch/CUDA, sageattention and the kernel family it dispatches to.
+"""What is here: GPU arch, torch/CUDA, sageattention and the kernel family it dispatches to
+(``sage_dispatch.sage_family_for``), comfy-kitchen and its family.
 
 Detected once per device (``runtime(device)`` is cached) and cheap to read on the hot
 path. Nothing here imports ComfyUI at module import time; ComfyUI facts are
@@ -12,9 +13,11 @@ import importlib.util
 import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from .sage_dispatch import sage_family_for
 
 _TABLE_PATH = os.path.join(os.path.dirname(__file__), "kernel_table.json")
 
@@ -31,7 +34,6 @@ class Runtime:
     allocator_backend: str | None           # "native" | "cudaMallocAsync"
     dynamic_vram: bool | None               # ComfyUI dynamic VRAM (comfy-aimdo) active
     comfy_version: str | None
-    hook_points: dict = field(default_factory=dict)
     ck_version: str | None = None           # installed comfy-kitchen distribution
     ck_family: str | None = None            # envelope family of its int8_attention here
     ck_error: str | None = None             # why comfy-kitchen attention is unusable, if it is
@@ -58,25 +60,10 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def sage_family_for(version: str | None, arch: tuple[int, int] | None) -> str | None:
-    """Which envelope family ``sageattn`` of ``version`` runs on ``arch``."""
-    if version is None or arch is None:
-        return None
-    major = version.split(".")[0]
-    if major == "1":
-        return "sage1_triton" if arch >= (8, 0) else None   # int8 tl.dot needs sm80+
-    try:
-        from .envelope_sage2 import family_for
-    except ImportError:
-        return None
-    return family_for(version, arch)
-
-
-def _comfy_facts() -> tuple[bool | None, str | None, dict]:
+def _comfy_facts() -> tuple[bool | None, str | None]:
     """Read ComfyUI facts only if ComfyUI is already imported (never import it here)."""
     dyn = None
     version = None
-    hooks: dict = {}
     memm = sys.modules.get("comfy.memory_management")   # 0dd9b154+: aimdo_enabled flag
     if memm is not None and hasattr(memm, "aimdo_enabled"):
         dyn = bool(memm.aimdo_enabled)
@@ -85,12 +72,7 @@ def _comfy_facts() -> tuple[bool | None, str | None, dict]:
     ver = sys.modules.get("comfyui_version")
     if ver is not None:
         version = getattr(ver, "__version__", None)
-    ops = sys.modules.get("comfy.ops")
-    hooks["linear_input_act"] = bool(ops is not None and hasattr(ops, "linear_input_act"))
-    hooks["model_prefetch"] = "comfy.model_prefetch" in sys.modules
-    att = sys.modules.get("comfy.ldm.modules.attention")
-    hooks["optimized_attention_override"] = bool(att is not None and hasattr(att, "wrap_attn"))
-    return dyn, version, hooks
+    return dyn, version
 
 
 def runtime(device: torch.device | int | None = None) -> Runtime:
@@ -131,10 +113,10 @@ def _runtime(idx: int | None) -> Runtime:
                 sage_error = f"no known kernel family for sageattention {sage_version} on sm_{arch[0]}{arch[1]}"
         except Exception as e:  # broken wheel, CUDA mismatch
             sage_error = f"import failed: {type(e).__name__}: {e}"
-    dyn, cver, hooks = _comfy_facts()
+    dyn, cver = _comfy_facts()
     ck_version, ck_family, ck_error = _ck_facts(arch)
     return Runtime(torch.__version__, torch.version.cuda, name, arch, sage_version, family,
-                   sage_error, backend, dyn, cver, hooks, ck_version, ck_family, ck_error)
+                   sage_error, backend, dyn, cver, ck_version, ck_family, ck_error)
 
 
 def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str | None]:

@@ -46,7 +46,7 @@ def _fresh():
 
 def first_unsafe_strided() -> int:
     """The first H3 length whose strided call leaves the family's envelope (index rules)."""
-    from safe_ops.envelope_sage2 import first_unsafe
+    from safe_ops.envelope_rules import first_unsafe
     from safe_ops.h3 import h3_attention_call
     env = ga.sage_kern().envelope
     return first_unsafe(env, lambda n: h3_attention_call(n, arch="sm_90"), 1024, 700_000, rules=("index",))

@@ -652,7 +652,7 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
     import types
 
     import safe_ops.kernels as A
-    from safe_ops.envelope_sage2 import SAGEATTN_CALL
+    from safe_ops.sage_dispatch import SAGEATTN_CALL
     fake = types.ModuleType("sageattention")
     for name, _ in SAGEATTN_CALL.values():
         setattr(fake, name, lambda *a, **k: None)

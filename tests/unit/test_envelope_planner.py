@@ -273,7 +273,10 @@ def test_ck_pre236_boundary_is_issue_178():
 def test_ck_within_head_limit_and_versions():
     from safe_ops.envelope_ck import CK_INT8, ck_family_for
     long_ = TensorDesc.contiguous((1, 2, 17_000_000, 128), "HND")     # 17M x 128 > INT_MAX per head
-    assert {v.axis for v in check(call_of(long_), CK_INT8)} >= {"s"}
+    # each int8 copy's within-head offset (L*D: its head stride) passes int32
+    assert {(v.tensor, v.axis) for v in check(call_of(long_), CK_INT8)} == {
+        ("q_int8", "h"), ("k_int8", "h"), ("v_int8", "h")}
+    assert not check(call_of(TensorDesc.contiguous((1, 2, 16_000_000, 128), "HND")), CK_INT8)
     # the _C strings of the PyPI wheels: 0.2.35 has #178's check, 0.2.36 the 64-bit bases
     assert ck_family_for("0.2.40") == ck_family_for("0.2.39") == ck_family_for("0.2.36") == "ck_int8"
     assert ck_family_for("0.2.29") == ck_family_for("0.2.35") == "ck_int8_pre236"
