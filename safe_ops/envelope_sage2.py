@@ -82,6 +82,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
+from . import sage2_temp_bytes as B
+from .sage2_temp_bytes import ceil_to
 from .envelope_rules import KvLenRule
 
 TAG = "v2.2.0"
@@ -112,10 +114,6 @@ LSE_TIME_FACTOR = 1.048
 #: LSE note) and the LSE variant's time
 SAGE2_LSE = dict(returns_lse=True, lse_centred_k=True, lse_time_factor=LSE_TIME_FACTOR)
 FP8_SM120_MAX_KV_LEN = 150_000     # exclusive: kv_len must be < this (SageAttention #388)
-
-
-def _ceil(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 # LSE (``return_lse=True``, every 2.2.0 function): the CUDA kernels scale by
@@ -155,7 +153,7 @@ def v_transposed(call: AttnCall, src: TensorDesc, pad_to: int = 64) -> TensorDes
     Spad = ceil(kv_len / 64) * 64 (quant.py:273, :278; fused.cu:884, :897).
     """
     b, h, s, d = src.shape
-    sp = _ceil(s, pad_to)
+    sp = ceil_to(s, pad_to)
     if call.layout == "NHD":
         return TensorDesc((b, h, sp, d), (d * h * sp, sp, 1, h * sp))
     return TensorDesc((b, h, sp, d), (h * d * sp, d * sp, 1, sp))
@@ -168,7 +166,7 @@ def _v_sm90_in(call: AttnCall) -> TensorDesc:
     b, h, s, d = call.v.shape
     if s % 128 == 0:
         return call.v
-    return TensorDesc.contiguous((b, h, _ceil(s, 128), d), call.layout)
+    return TensorDesc.contiguous((b, h, ceil_to(s, 128), d), call.layout)
 
 
 # The tensors sage 2.2 makes from the call, as roles its terms name (Envelope.roles).
@@ -256,43 +254,7 @@ def _cuda_attn_qo(kernel: str, where_q: str, where_k: str, where_o: str) -> tupl
     )
 
 
-def _bytes_common(call: AttnCall) -> tuple[int, int, int, int, int, int]:
-    b, h, sq, d = call.q.shape
-    _, hk, sk, _ = call.k.shape
-    return b, h, sq, hk, sk, d
-
-
-def _qk_int8_bytes(call: AttnCall) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    return b * h * sq * d + b * hk * sk * d
-
-
-def _out_bytes(call: AttnCall) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    return call.elt_bytes * b * h * sq * d
-
-
-def _k_smooth_bytes(call: AttnCall) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    return call.elt_bytes * b * hk * sk * d + call.elt_bytes * b * hk * d   # k - km, km
-
-
-def _v_fp8_bytes(call: AttnCall, pad: int) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    sp = _ceil(sk, pad)
-    return 3 * b * hk * d * sp + 8 * b * hk * d     # transposed (2 B) + fp8 (1 B) + scale, mean
-
-
 # ------------------------------------------------------------------ families
-def _sm80_temp_bytes(call: AttnCall) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    n = _qk_int8_bytes(call) + _k_smooth_bytes(call) + _out_bytes(call)
-    n += 4 * (b * h * (-(-sq // 128)) * 4 * 8 + b * hk * (-(-sk // 64)) * 4)   # :180-181
-    if call.dtype != "float16":
-        n += 2 * b * hk * sk * d                      # v.to(float16) (core.py:611)
-    return n
-
-
 _t, _d = _per_thread_triton()
 SAGE2_SM80 = register(Envelope(
     family="sage2_sm80",
@@ -307,20 +269,11 @@ SAGE2_SM80 = register(Envelope(
     + _terms("qk_int_sv_f16_attn_kernel", "v_fp16", "bh", "u32", f"{SM80}:200"),
     roles=ROLES,
     launches_on_legacy_stream=True,        # qk_int_sv_f16_cuda_sm80.cu:822 <<<grid, block, smem>>>
-    temp_bytes=_sm80_temp_bytes,
+    temp_bytes=B.sm80_temp_bytes,
     note=("sageattn on sm80: sageattn_qk_int8_pv_fp16_cuda(qk_quant_gran='per_thread' (default), "
           "pv_accum_dtype='fp32') (core.py:145). Triton quant on the current stream, CUDA attention "
           "on the legacy default stream."),
 ))
-
-
-def _sm86_temp_bytes(call: AttnCall) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    n = _qk_int8_bytes(call) + _k_smooth_bytes(call) + _out_bytes(call)
-    n += 4 * (b * h * (-(-sq // 128)) + b * hk * (-(-sk // 64)))   # quant_per_block.py:75-76
-    if call.dtype != "float16":
-        n += 2 * b * hk * sk * d                                     # core.py:296
-    return n
 
 
 _t, _d = _per_block_triton()
@@ -341,22 +294,9 @@ SAGE2_SM86_TRITON = register(Envelope(
     ) + _d,
     roles=ROLES,
     launches_on_legacy_stream=False,       # Triton only: torch's current stream
-    temp_bytes=_sm86_temp_bytes,
+    temp_bytes=B.sm86_temp_bytes,
     note="sageattn on sm86: sageattn_qk_int8_pv_fp16_triton (core.py:147), all Triton.",
 ))
-
-
-def _fp8_temp_bytes(call: AttnCall, per_thread: bool, pad: int = 64, blkq: int = 128,
-                    warpq: int = 32, blkk: int = 64, warpk: int = 64) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    n = _qk_int8_bytes(call) + _out_bytes(call) + _v_fp8_bytes(call, pad)
-    if per_thread:
-        n += _k_smooth_bytes(call)
-        n += 4 * (b * h * (-(-sq // blkq)) * (blkq // warpq) * 8 + b * hk * (-(-sk // blkk)) * (blkk // warpk) * 4)
-    else:
-        n += call.elt_bytes * b * hk * d                                   # km
-        n += 4 * (b * h * (-(-sq // blkq)) * (blkq // warpq) + b * hk * (-(-sk // blkk)))
-    return n
 
 
 _FP8_ATTN_Q = _cuda_attn_qo("qk_int_sv_f8_attn_kernel", f"{SM89}:200", f"{SM89}:201", f"{SM89}:668")
@@ -376,7 +316,7 @@ SAGE2_SM89_FP8PV = register(Envelope(
     terms=_t + _FP8_ATTN_Q + _d + _v_fp8_terms("v", "v_t") + _FP8_ATTN_V,
     roles=ROLES,
     launches_on_legacy_stream=True,        # fused.cu:914, :987; sm89_..._inst_buf.cu:162
-    temp_bytes=lambda c: _fp8_temp_bytes(c, per_thread=True),
+    temp_bytes=lambda c: B.fp8_temp_bytes(c, per_thread=True),
     note=("sageattn on sm89: sageattn_qk_int8_pv_fp8_cuda(qk_quant_gran='per_thread' (default!), "
           "pv_accum_dtype='fp32+fp16') (core.py:149) -> Triton per_thread quant (core.py:790-791), "
           "CUDA per_channel_fp8 (core.py:807), sm89 fp8 kernel accum f16 inst_buf (core.py:816-817)."),
@@ -393,7 +333,7 @@ SAGE2_FP8PV_PERWARP = register(Envelope(
     terms=_FP8_PERWARP,
     roles=ROLES,
     launches_on_legacy_stream=True,        # fused.cu:752, :667, :914, :987; sm89_..._inst_buf.cu:162
-    temp_bytes=lambda c: _fp8_temp_bytes(c, per_thread=False),
+    temp_bytes=lambda c: B.fp8_temp_bytes(c, per_thread=False),
     note=("Direct call sageattn_qk_int8_pv_fp8_cuda(qk_quant_gran='per_warp', pv_accum_dtype='fp32+fp16'): "
           "all-CUDA u32 arithmetic. Runs where _qattn_sm89 is built (sm89, sm90, sm120; setup.py:178). "
           "What sageattn runs on sm120 (minus the #388 length rule)."),
@@ -415,18 +355,10 @@ SAGE2_SM120_FP8PV = register(Envelope(
                   "FP8-PV on sm_120 reported to turn to noise without an error"),
     ),
     launches_on_legacy_stream=True,
-    temp_bytes=lambda c: _fp8_temp_bytes(c, per_thread=False),
+    temp_bytes=lambda c: B.fp8_temp_bytes(c, per_thread=False),
     note=("sageattn on sm120 (and sm121 on main after the tag): sageattn_qk_int8_pv_fp8_cuda("
           "qk_quant_gran='per_warp', pv_accum_dtype='fp32+fp16') (core.py:153)."),
 ))
-
-
-def _sm90_temp_bytes(call: AttnCall) -> int:
-    b, h, sq, hk, sk, d = _bytes_common(call)
-    n = _fp8_temp_bytes(call, per_thread=True, pad=128, blkq=64, warpq=16, blkk=128, warpk=128)
-    if sk % 128:
-        n += call.elt_bytes * b * hk * (_ceil(sk, 128) + (_ceil(sk, 128) - sk)) * d   # cat + zeros
-    return n
 
 
 _t, _d = _per_thread_triton()
@@ -459,7 +391,7 @@ SAGE2_SM90 = register(Envelope(
     ) + _d + _v_fp8_terms("v_pad128", "v_t128") + _SM90_INT_STRIDES,
     roles=ROLES,
     launches_on_legacy_stream=True,        # fused.cu:914, :987; qk_int_sv_f8_cuda_sm90.cu:898
-    temp_bytes=_sm90_temp_bytes,
+    temp_bytes=B.sm90_temp_bytes,
     note=("sageattn on sm90: sageattn_qk_int8_pv_fp8_cuda_sm90(qk_quant_gran='per_thread', "
           "pv_accum_dtype='fp32+fp32') (core.py:151): Triton quant BLKQ=64/WARPQ=16/BLKK=WARPK=128 "
           "(core.py:966-967), V padded to 128 by torch.cat (core.py:971-979) so the kv_len % 128 assert "
