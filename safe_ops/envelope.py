@@ -189,10 +189,10 @@ def role(call: AttnCall, env: Envelope, name: str) -> TensorDesc:
     return make(call) if make is not None else call.derived(name)
 
 
-def term_value(call: AttnCall, term: IndexTerm, env: Envelope | None = None) -> tuple[int, str]:
-    """Largest value the kernel computes for ``term`` and its effective int type: the last
+def term_value(call: AttnCall, term: IndexTerm, env: Envelope) -> tuple[int, str]:
+    """Largest value ``env``'s kernel computes for ``term`` and its effective int type: the last
     index times the stride, or (``stride_only``) the stride itself."""
-    t = role(call, env, term.tensor) if env is not None else call.derived(term.tensor)
+    t = role(call, env, term.tensor)
     ax = _AXIS_INDEX[term.axis]
     stride = t.stride[ax]
     if term.stride_only:
