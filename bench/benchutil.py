@@ -1,4 +1,6 @@
-"""Timing and profiling helpers shared by the GPU benches (bench/gpu_*.py)."""
+"""Timing and profiling helpers shared by the GPU benches (bench/gpu_*.py), and the sm_120 dispatch
+emulation used by bench/compiler_probe.py and bench/repro (its probe pack loads this file by path
+inside a ComfyUI server)."""
 from __future__ import annotations
 
 import time
@@ -70,13 +72,16 @@ def emulate_sage_arch(arch: str) -> list:
     return real
 
 
-def emulated_runtime(arch: str):
+def emulated_runtime(arch: str, rtm=None, real=None):
     """SafeSage's runtime as it would read on ``arch`` (the compute capability and the sage family
-    it dispatches to change; nothing else)."""
+    it dispatches to change; nothing else). ``rtm``: the safe_ops.runtime module to ask (default:
+    ``import safe_ops.runtime``; inside a ComfyUI server, the one loaded with the pack); ``real``:
+    its real runtime() if already read."""
     import dataclasses
 
-    import safe_ops.runtime as rtm
+    if rtm is None:
+        import safe_ops.runtime as rtm
     cap = (int(arch[2:-1]), int(arch[-1]))
-    real = rtm.runtime()
+    real = real if real is not None else rtm.runtime()
     return dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
                                sage_error=None if real.sage_version else real.sage_error)

@@ -1,0 +1,56 @@
+"""Which configurations the reproduction runs: sizes (latent width, height, frames, text tokens)
+and arms (ComfyUI flags, environment, and whether the graph has a SafeSageAttention node)."""
+from __future__ import annotations
+
+# name -> (width, height, length in frames, text tokens); packed S = text + 2*audio_t + video tokens
+SIZES = {
+    "38k": (1344, 768, 124, 256),     # the reporter's clean size (1344x768 / 124 frames)
+    "100k": (1024, 1024, 328, 256),   # just past S = 99,866 (row * 21504 > 2^31 in int32)
+    "169k": (1664, 960, 362, 256),    # the reporter's failing size (1664x960 / 362 frames)
+    # CPU smoke sizes (tiny model)
+    "tiny": (64, 64, 22, 16),
+    "tiny2": (96, 64, 39, 16),
+}
+
+# flags: ComfyUI command-line flags; env: set for the server process; safesage: None (no node) or
+# the SafeSageAttention node inputs that differ from the node's own defaults
+ARMS = {
+    "pytorch": {"flags": [], "env": {}, "safesage": None},
+    "sage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": None},
+    "safesage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {}},
+    "safesage_sage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {"kernel": "sage"}},
+    "sage_blocking": {"flags": ["--use-sage-attention"], "env": {"CUDA_LAUNCH_BLOCKING": "1"}, "safesage": None},
+    "sage_nodyn": {"flags": ["--use-sage-attention", "--disable-dynamic-vram"], "env": {}, "safesage": None},
+    # the comparison cases with SafeSage inserted (each matched with its own unguarded arm)
+    "safesage_blocking": {"flags": ["--use-sage-attention"], "env": {"CUDA_LAUNCH_BLOCKING": "1"}, "safesage": {}},
+    "safesage_nodyn": {"flags": ["--use-sage-attention", "--disable-dynamic-vram"], "env": {}, "safesage": {}},
+    "safesage_pytorch": {"flags": [], "env": {}, "safesage": {}},
+}
+DEFAULT_ARMS = ["pytorch", "sage", "safesage", "safesage_sage", "sage_blocking", "sage_nodyn"]
+# guarded arm -> the same configuration without SafeSage
+UNGUARDED = {"safesage": "sage", "safesage_sage": "sage", "safesage_blocking": "sage_blocking",
+             "safesage_nodyn": "sage_nodyn", "safesage_pytorch": "pytorch"}
+ARM_LABEL = {
+    "pytorch": "PyTorch attention + dynamic VRAM",
+    "sage": "--use-sage-attention + dynamic VRAM (unguarded)",
+    "safesage": "SafeSageAttention (node defaults) + dynamic VRAM",
+    "safesage_sage": "SafeSageAttention kernel=sage + dynamic VRAM",
+    "sage_blocking": "--use-sage-attention + dynamic VRAM + CUDA_LAUNCH_BLOCKING=1",
+    "sage_nodyn": "--use-sage-attention --disable-dynamic-vram",
+    "safesage_blocking": "SafeSageAttention + CUDA_LAUNCH_BLOCKING=1",
+    "safesage_nodyn": "SafeSageAttention + --disable-dynamic-vram",
+    "safesage_pytorch": "SafeSageAttention, no --use-sage-attention (PyTorch attention)",
+}
+
+
+def size_dict(size: str) -> dict:
+    return dict(zip(("width", "height", "length", "text_len"), SIZES[size]))
+
+
+def comfy_flags(arm: str, cpu: bool = False, extra=()) -> list[str]:
+    """The arm's ComfyUI flags; a CPU smoke run drops --use-sage-attention (no sage there) and
+    adds --cpu, keeping the rest of the path."""
+    flags = list(ARMS[arm]["flags"]) + list(extra)
+    if cpu:
+        flags = [f for f in flags if f != "--use-sage-attention"] + ["--cpu"]
+    return flags

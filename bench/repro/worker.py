@@ -1,0 +1,169 @@
+"""One row (size x arm): a fresh ComfyUI server -- its own main.py start-up with the arm's flags and
+environment -- that runs the row's graph (workflow.py) queued over HTTP, and what it left.
+
+The server is started by tests/comfy/comfy_process.py (the launcher the headless tests use) in a
+temporary --base-directory holding the checkpoint (a link in models/diffusion_models), the probe pack
+(bench/repro/probe_pack) and, for the SafeSage arms only, this repository as ComfyUI-SafeSage. Its
+PYTHONPATH is passed on (the GPU box's wheels live there) and it runs in a process group of its own.
+
+Where each finding comes from:
+  outcome     /history (success, or ComfyUI's execution_error: exception type and message) or the
+              process's own end (a native abort: the signal; a timeout: killed)
+  timings, packed sequence, weight residency, torch peak memory, OOM attribution
+              the probe pack, inside the server (its JSON file survives an abort)
+  NVML peak   this process (memory.NvmlPeak), from before the server starts to its end
+  SafeSage    the SafeSageAttention node's UI text in /history, and /safesage/stats
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from . import arms, logs, memory, workflow
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+PACK_DIR_NAME = "ComfyUI-SafeSage"
+PROBE_DIR_NAME = "safesage_repro_probe"
+
+
+def comfy_process():
+    """tests/comfy/comfy_process.py, imported by path (under the name the tests import it by)."""
+    mod = sys.modules.get("comfy_process")
+    if mod is None:
+        spec = importlib.util.spec_from_file_location("comfy_process", REPO / "tests" / "comfy" / "comfy_process.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["comfy_process"] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+def _error_text(err: dict | None) -> str | None:
+    """ComfyUI's execution_error as one line: `type: first line of the message`."""
+    if not err:
+        return None
+    msg = (err.get("exception_message") or "").strip().splitlines()
+    return f"{err.get('exception_type')}: {msg[0] if msg else ''}".strip()
+
+
+def _node_text(entry: dict, node_id: str) -> str | None:
+    text = (entry.get("outputs", {}).get(node_id) or {}).get("text")
+    return text[0] if isinstance(text, list) and text else text
+
+
+def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=False, emulate_arch=None,
+            timeout=150.0, python=None, extra_flags=()) -> dict:
+    """Run one row in a fresh server; returns the row's fields as the driver's JSON keeps them:
+    command, rc, wall_s, worker (the findings), outcome, error (a Python error's line), latent (the
+    saved latent's path when it completed) and log (the server's log).
+
+    rc: 0 completed; "execution_error" (ComfyUI reported the error and lived on); "timeout"; else the
+    server's exit status (negative: the signal that ended it)."""
+    cp = comfy_process()
+    width, height, length, text_len = arms.SIZES[size]
+    guarded = arms.ARMS[arm]["safesage"] is not None
+    tag = f"{size}_{arm}"
+    work = Path(work).resolve()
+    base = work / tag
+    shutil.rmtree(base, ignore_errors=True)
+    probe_out, latent, log = work / f"{tag}.probe.json", work / f"{tag}.pt", work / f"{tag}.log"
+    for p in (probe_out, latent, log):
+        if p.exists():
+            p.unlink()
+    flags = arms.comfy_flags(arm, cpu, extra_flags) + (["--verbose", "DEBUG"] if debug else [])
+    env = dict(arms.ARMS[arm]["env"], SAFESAGE_REPRO_PROBE_OUT=str(probe_out))
+    if emulate_arch:
+        env["SAFESAGE_REPRO_EMULATE_ARCH"] = emulate_arch
+    nodes = {PROBE_DIR_NAME: HERE / "probe_pack"}
+    if guarded:
+        nodes[PACK_DIR_NAME] = REPO
+    server = cp.ComfyProcess(base, nodes, root=Path(comfy).resolve(), python=python or sys.executable,
+                             flags=flags, env=env, name=tag, keep_pythonpath=True, own_group=True)
+    server.log_path = log
+    unet = os.path.basename(ckpt)
+    os.symlink(os.path.abspath(ckpt), server.models_dir / unet)
+    w = {"phase": "start", "comfy_argv": flags, "arm": arm, "size": size, "width": width, "height": height,
+         "length": length, "text_len": text_len}
+    row = {"rc": None, "error": None}
+    nv = memory.NvmlPeak()
+    t0 = time.time()
+    entry = None
+    try:
+        server.start(attempts=1)
+        w["phase"] = "server up"
+        inputs = None
+        if guarded:
+            info = server.object_info(workflow.SAFESAGE_NODE)[workflow.SAFESAGE_NODE]
+            inputs = {**workflow.node_defaults(info), **arms.ARMS[arm]["safesage"]}
+        graph = workflow.row_graph(unet, width, height, length, text_len, steps, seed, str(latent), inputs)
+        w["graph"] = graph
+        pid = server.post_prompt(graph)
+        if not isinstance(pid, str):
+            row.update(rc="rejected", error="prompt rejected: " + json.dumps(pid)[:300])
+        else:
+            w["phase"] = "queued"
+            entry = server.wait_history(pid, max(1.0, timeout - (time.time() - t0)))
+    except cp.ServerDied as e:
+        row["rc"] = e.returncode
+    except TimeoutError:
+        row["rc"] = "timeout"
+    except RuntimeError:       # did not start: its exit status, or still starting at the deadline
+        row["rc"] = server.ended() if server.ended() is not None else "timeout"
+    if entry is not None:
+        err = cp.execution_error(entry)
+        row["rc"] = 0 if entry["status"]["status_str"] == "success" else "execution_error"
+        row["error"] = _error_text(err)
+        if guarded:
+            w["safesage_summary"] = _node_text(entry, "10")
+        try:
+            if guarded:
+                w["safesage_report"] = server.get_json("/safesage/stats")
+            w["system_stats_after"] = server.get_json("/system_stats").get("devices")
+        except Exception as e:  # noqa: BLE001 - evidence only
+            w["stats_error"] = repr(e)
+    server.stop(kill=row["rc"] == "timeout")
+    nv.stop()
+    row["wall_s"] = round(time.time() - t0, 1)
+    probe = {}
+    if probe_out.exists():
+        with open(probe_out) as f:
+            probe = json.load(f)
+    if probe.get("phase") in (None, "server started"):
+        probe.pop("phase", None)       # the worker's own phase is further on (or as far)
+    w.update(probe)
+    if w.get("completed"):
+        w["memory"] = {**w.get("memory", {}), **nv.info()}
+    if "memory_at_oom" in w:
+        w["memory_at_oom"].update(nv.info())
+    row["worker"] = w
+    row["command"] = "".join(f"{k}={v} " for k, v in arms.ARMS[arm]["env"].items()) + \
+        " ".join(shlex.quote(x) for x in server.cmdline)
+    row["outcome"] = outcome(row["rc"], w, timeout)
+    if row["error"] is None and row["outcome"].startswith("Python error"):
+        row["error"] = logs.error_line(logs.tail(log, 60))
+    row["latent"] = str(latent) if row["outcome"] == "completed" and latent.exists() else None
+    row["log"] = str(log)
+    if not os.environ.get("SAFESAGE_REPRO_KEEP_BASE"):
+        shutil.rmtree(base, ignore_errors=True)
+    return row
+
+
+def outcome(rc, w: dict, timeout: float) -> str:
+    phase = w.get("phase")
+    if rc == 0 and w.get("completed"):
+        return "completed"
+    if rc == "timeout":
+        return f"timeout after {timeout:.0f} s (phase: {phase})"
+    if rc == "execution_error":
+        return f"Python error in the prompt, server alive (phase: {phase})"
+    if rc == "rejected":
+        return "prompt rejected"
+    if isinstance(rc, int) and rc < 0:
+        return f"process abort: {logs.sig_name(rc)} (phase: {phase})"
+    return f"Python error, exit {rc} (phase: {phase})"
