@@ -4,7 +4,8 @@ environment -- that runs the row's graph (workflow.py) queued over HTTP, and wha
 The server is started by tests/comfy/comfy_process.py (the launcher the headless tests use) in a
 temporary --base-directory holding the checkpoint (a link in models/diffusion_models), the probe pack
 (bench/repro/probe_pack) and, for the SafeSage arms only, this repository as ComfyUI-SafeSage. Its
-PYTHONPATH is passed on (the GPU box's wheels live there) and it runs in a process group of its own.
+PYTHONPATH is passed on (the GPU box's wheels live there), with bench/repro/av_stub in front when its
+Python has no PyAV (recorded as ``av_stub``), and it runs in a process group of its own.
 
 Where each finding comes from:
   outcome     /history (success, or ComfyUI's execution_error: exception type and message) or the
@@ -21,6 +22,7 @@ import json
 import os
 import shlex
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,6 +44,10 @@ def comfy_process():
         sys.modules["comfy_process"] = mod
         spec.loader.exec_module(mod)
     return mod
+
+
+def _imports(python: str, module: str) -> bool:
+    return subprocess.run([python, "-c", f"import {module}"], capture_output=True).returncode == 0
 
 
 def _error_text(err: dict | None) -> str | None:
@@ -80,15 +86,18 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     env = dict(arms.ARMS[arm]["env"], SAFESAGE_REPRO_PROBE_OUT=str(probe_out))
     if emulate_arch:
         env["SAFESAGE_REPRO_EMULATE_ARCH"] = emulate_arch
+    python = python or sys.executable
+    if not _imports(python, "av"):        # the GPU box: ComfyUI's node API imports av at start-up
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "av_stub"), os.environ.get("PYTHONPATH")]))
     nodes = {PROBE_DIR_NAME: HERE / "probe_pack"}
     if guarded:
         nodes[PACK_DIR_NAME] = REPO
-    server = cp.ComfyProcess(base, nodes, root=Path(comfy).resolve(), python=python or sys.executable,
+    server = cp.ComfyProcess(base, nodes, root=Path(comfy).resolve(), python=python,
                              flags=flags, env=env, name=tag, keep_pythonpath=True, own_group=True)
     server.log_path = log
     unet = os.path.basename(ckpt)
     os.symlink(os.path.abspath(ckpt), server.models_dir / unet)
-    w = {"phase": "start", "comfy_argv": flags, "arm": arm, "size": size, "width": width, "height": height,
+    w = {"phase": "start", "av_stub": "PYTHONPATH" in env, "comfy_argv": flags, "arm": arm, "size": size, "width": width, "height": height,
          "length": length, "text_len": text_len}
     row = {"rc": None, "error": None}
     nv = memory.NvmlPeak()
