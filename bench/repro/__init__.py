@@ -14,7 +14,7 @@ SafeSage's fix (docs/REPRODUCTION.md; results in bench/results/repro_*.json).
 Modules, one job each: arms (sizes and configurations), workflow (the graph a row queues),
 worker (one server per row), probe_pack (the harness's node pack inside that server: timings,
 residency, memory, OOM attribution, the --emulate-arch start-up hook), memory (NVML peak and the
-OOM attribution), logs (what a server log says), driver (the plan, ballast, latents, rel. L2),
+OOM attribution), av_stub (PyAV's stand-in where it is missing), logs (what a server log says), driver (the plan, ballast, latents, rel. L2),
 verdict (the tables and the silently-wrong call).
 
 Run from the repository root (``python -m bench.repro``); the package imports no torch at import time.

@@ -124,6 +124,9 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
         row["rc"] = "timeout"
     except RuntimeError:       # did not start: its exit status, or still starting at the deadline
         row["rc"] = server.ended() if server.ended() is not None else "timeout"
+    except Exception as e:     # noqa: BLE001 - an HTTP call failed: a dying server, or the harness
+        w["harness_error"] = repr(e)
+        row["rc"] = server.ended() if server.ended() is not None else "harness_error"
     if entry is not None:
         err = cp.execution_error(entry)
         row["rc"] = 0 if entry["status"]["status_str"] == "success" else "execution_error"
@@ -173,6 +176,8 @@ def outcome(rc, w: dict, timeout: float) -> str:
         return f"Python error in the prompt, server alive (phase: {phase})"
     if rc == "rejected":
         return "prompt rejected"
+    if rc == "harness_error":
+        return f"harness error, server alive (phase: {phase})"
     if isinstance(rc, int) and rc < 0:
         return f"process abort: {logs.sig_name(rc)} (phase: {phase})"
     return f"Python error, exit {rc} (phase: {phase})"
