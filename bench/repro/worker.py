@@ -87,7 +87,8 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     if emulate_arch:
         env["SAFESAGE_REPRO_EMULATE_ARCH"] = emulate_arch
     python = python or sys.executable
-    if not _imports(python, "av"):        # the GPU box: ComfyUI's node API imports av at start-up
+    av_stub = not _imports(python, "av")   # the GPU box: ComfyUI's node API imports av at start-up
+    if av_stub:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "av_stub"), os.environ.get("PYTHONPATH")]))
     nodes = {PROBE_DIR_NAME: HERE / "probe_pack"}
     if guarded:
@@ -97,8 +98,8 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     server.log_path = log
     unet = os.path.basename(ckpt)
     os.symlink(os.path.abspath(ckpt), server.models_dir / unet)
-    w = {"phase": "start", "av_stub": "PYTHONPATH" in env, "comfy_argv": flags, "arm": arm, "size": size, "width": width, "height": height,
-         "length": length, "text_len": text_len}
+    w = {"phase": "start", "av_stub": av_stub, "comfy_argv": flags, "arm": arm, "size": size, "width": width,
+         "height": height, "length": length, "text_len": text_len}
     row = {"rc": None, "error": None}
     nv = memory.NvmlPeak()
     t0 = time.time()
