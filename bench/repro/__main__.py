@@ -7,7 +7,7 @@ import os
 import sys
 
 from . import __doc__ as DOC
-from . import arms, driver, logs, verdict, worker
+from . import arms, driver, logs, soak, verdict, worker
 
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
@@ -73,6 +73,15 @@ def parser() -> argparse.ArgumentParser:
                    help="keep each completed arm's latent here and compare with those an earlier run "
                         "(same checkpoint, steps, seed, arch) left, so arms can be split over calls")
     d.add_argument("--synth-info", default=None, help="synth_h3.py's JSON line, recorded in the results")
+    k = sub.add_parser("soak", parents=[common], help="one server, many prompts, memory after each (soak.py)")
+    k.add_argument("--arm", choices=list(arms.ARMS), required=True)
+    k.add_argument("--size", choices=list(arms.SIZES), required=True)
+    k.add_argument("--prompts", type=int, default=20)
+    k.add_argument("--interrupt-steps", type=int, default=30, help="steps of the prompt that is interrupted")
+    k.add_argument("--work", default="/tmp/repro")
+    k.add_argument("--arm-timeout", type=float, default=900.0, help="seconds per prompt")
+    k.add_argument("--out", default=None)
+    k.add_argument("--synth-info", default=None, help="synth_h3.py's JSON line, recorded in the results")
     return ap
 
 
@@ -86,6 +95,9 @@ def main(argv=None):
     a = parser().parse_args(argv)
     if a.mode == "all":
         driver.driver(a, argv)
+        return
+    if a.mode == "soak":
+        print(json.dumps(soak.main(a, argv)["verdict"], indent=1))
         return
     row = worker.run_row(comfy=a.comfy, ckpt=a.ckpt, arm=a.arm, size=a.size, work=a.work, steps=a.steps,
                          seed=a.seed, cpu=a.cpu, debug=a.debug, emulate_arch=a.emulate_arch,

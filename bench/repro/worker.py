@@ -63,6 +63,38 @@ def _node_text(entry: dict, node_id: str) -> str | None:
     return text[0] if isinstance(text, list) and text else text
 
 
+def make_server(*, comfy, ckpt, arm, tag, work, cpu=False, debug=False, emulate_arch=None, python=None,
+                extra_flags=()):
+    """The (not yet started) server of one arm: a fresh --base-directory ``work/tag`` with the
+    checkpoint linked in, the probe pack, and SafeSage for the guarded arms. Returns (server, files,
+    av_stub); files: the probe's JSON, the latent, the server log and the base directory."""
+    cp = comfy_process()
+    work = Path(work).resolve()
+    base = work / tag
+    shutil.rmtree(base, ignore_errors=True)
+    files = {"probe": work / f"{tag}.probe.json", "latent": work / f"{tag}.pt", "log": work / f"{tag}.log",
+             "base": base}
+    for key in ("probe", "latent", "log"):
+        if files[key].exists():
+            files[key].unlink()
+    flags = arms.comfy_flags(arm, cpu, extra_flags) + (["--verbose", "DEBUG"] if debug else [])
+    env = dict(arms.ARMS[arm]["env"], SAFESAGE_REPRO_PROBE_OUT=str(files["probe"]))
+    if emulate_arch:
+        env["SAFESAGE_REPRO_EMULATE_ARCH"] = emulate_arch
+    python = python or sys.executable
+    av_stub = not _imports(python, "av")   # the GPU box: ComfyUI's node API imports av at start-up
+    if av_stub:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "av_stub"), os.environ.get("PYTHONPATH")]))
+    nodes = {PROBE_DIR_NAME: HERE / "probe_pack"}
+    if arms.ARMS[arm]["safesage"] is not None:
+        nodes[PACK_DIR_NAME] = REPO
+    server = cp.ComfyProcess(base, nodes, root=Path(comfy).resolve(), python=python,
+                             flags=flags, env=env, name=tag, keep_pythonpath=True, own_group=True)
+    server.log_path = files["log"]
+    os.symlink(os.path.abspath(ckpt), server.models_dir / os.path.basename(ckpt))
+    return server, files, av_stub
+
+
 def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=False, emulate_arch=None,
             timeout=150.0, python=None, extra_flags=()) -> dict:
     """Run one row in a fresh server; returns the row's fields as the driver's JSON keeps them:
@@ -75,31 +107,12 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     width, height, length, text_len = arms.SIZES[size]
     guarded = arms.ARMS[arm]["safesage"] is not None
     tag = f"{size}_{arm}"
-    work = Path(work).resolve()
-    base = work / tag
-    shutil.rmtree(base, ignore_errors=True)
-    probe_out, latent, log = work / f"{tag}.probe.json", work / f"{tag}.pt", work / f"{tag}.log"
-    for p in (probe_out, latent, log):
-        if p.exists():
-            p.unlink()
-    flags = arms.comfy_flags(arm, cpu, extra_flags) + (["--verbose", "DEBUG"] if debug else [])
-    env = dict(arms.ARMS[arm]["env"], SAFESAGE_REPRO_PROBE_OUT=str(probe_out))
-    if emulate_arch:
-        env["SAFESAGE_REPRO_EMULATE_ARCH"] = emulate_arch
-    python = python or sys.executable
-    av_stub = not _imports(python, "av")   # the GPU box: ComfyUI's node API imports av at start-up
-    if av_stub:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "av_stub"), os.environ.get("PYTHONPATH")]))
-    nodes = {PROBE_DIR_NAME: HERE / "probe_pack"}
-    if guarded:
-        nodes[PACK_DIR_NAME] = REPO
-    server = cp.ComfyProcess(base, nodes, root=Path(comfy).resolve(), python=python,
-                             flags=flags, env=env, name=tag, keep_pythonpath=True, own_group=True)
-    server.log_path = log
+    server, files, av_stub = make_server(comfy=comfy, ckpt=ckpt, arm=arm, tag=tag, work=work, cpu=cpu, debug=debug,
+                                         emulate_arch=emulate_arch, python=python, extra_flags=extra_flags)
+    probe_out, latent, log, base = files["probe"], files["latent"], files["log"], files["base"]
     unet = os.path.basename(ckpt)
-    os.symlink(os.path.abspath(ckpt), server.models_dir / unet)
-    w = {"phase": "start", "av_stub": av_stub, "comfy_argv": flags, "arm": arm, "size": size, "width": width,
-         "height": height, "length": length, "text_len": text_len}
+    w = {"phase": "start", "av_stub": av_stub, "comfy_argv": server.flags, "arm": arm, "size": size,
+         "width": width, "height": height, "length": length, "text_len": text_len}
     row = {"rc": None, "error": None}
     nv = memory.NvmlPeak()
     t0 = time.time()

@@ -87,3 +87,26 @@ def test_a_prompt_error_is_a_python_error_row(tmp_path, tiny_h3):
     assert row["worker"]["phase"] == "queued"        # the probe after the loader never ran
     assert row["error"] and row["latent"] is None
     assert row["error"].split(":")[0] in open(row["log"], errors="replace").read()
+
+
+def test_soak_one_server_many_prompts_interrupt_and_reload(tmp_path, tiny_h3):
+    """bench/repro soak on the CPU (its GPU run measures memory; here the sequence itself): three
+    prompts in one server, a fourth interrupted after two of its steps, every model unloaded, one
+    more prompt that loads it again -- all through SafeSage, none falling back."""
+    from bench.repro import soak
+    doc = soak.run_soak(comfy=comfy_root(), ckpt=tiny_h3["path"], arm="safesage", size="tiny", work=tmp_path / "w",
+                        prompts=3, steps=STEPS, cpu=True, interrupt_steps=5000, timeout=240)
+    assert doc["errors"] == [], (doc["errors"], doc.get("log_tail"))
+    whats = [s["what"] for s in doc["samples"]]
+    assert whats == ["server up", "after prompt 1", "after prompt 2", "after prompt 3", "after interrupted prompt",
+                     "after /free (models unloaded)", "after reload prompt"]
+    by = {s["what"]: s for s in doc["samples"]}
+    assert [by[f"after prompt {i}"]["status"] for i in (1, 2, 3)] == ["success"] * 3
+    intr = by["after interrupted prompt"]
+    assert intr["reached_step_2"] and intr["interrupted"] and intr["status"] == "error"
+    assert by["after reload prompt"]["status"] == "success"
+    calls = [by[w]["safesage"]["attention_calls"] for w in ("after prompt 1", "after prompt 2", "after prompt 3")]
+    per_prompt = tiny_h3["blocks"] * STEPS
+    assert calls == [per_prompt, 2 * per_prompt, 3 * per_prompt]
+    assert by["after reload prompt"]["safesage"]["fallbacks"] == 0
+    assert by["after prompt 1"]["device"] == "cpu" and doc["verdict"]["memory_measured"] is False

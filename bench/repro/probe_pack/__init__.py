@@ -26,6 +26,8 @@ Nodes (category safesage/repro):
       the real shape [1, text_len, the model's text_dim] (no text encoder is loaded)
   SafeSageReproSaveLatent(samples, path)   output node: the sampled video and audio latents,
       float32 on the CPU, torch.save'd to ``path``
+
+Route: GET /safesage_repro/memory -> the server's torch memory now (memory_now; soak.py).
 """
 from __future__ import annotations
 
@@ -269,4 +271,39 @@ class SafeSageReproSaveLatent:
 
 
 NODE_CLASS_MAPPINGS = {c.__name__: c for c in (SafeSageReproProbe, SafeSageReproConditioning, SafeSageReproSaveLatent)}
+
+
+# ------------------------------------------------------------------------------ route
+MEMORY_PATH = "/safesage_repro/memory"
+
+
+def memory_now() -> dict:
+    """The server's own view of its GPU memory now (bench/repro/soak.py reads it between prompts):
+    torch's allocated / reserved bytes and the caching allocator's live allocation count on ComfyUI's
+    device; {"device": "cpu"} without CUDA."""
+    import comfy.model_management
+    import torch
+    dev = comfy.model_management.get_torch_device()
+    if dev.type != "cuda":
+        return {"device": str(dev)}
+    st = torch.cuda.memory_stats(dev)
+    return {"device": str(dev), "allocated": torch.cuda.memory_allocated(dev),
+            "reserved": torch.cuda.memory_reserved(dev),
+            "active_allocations": int(st.get("active.all.current", 0))}
+
+
+def _register_route():
+    try:
+        from aiohttp import web
+        from server import PromptServer
+        routes = PromptServer.instance.routes
+    except (ImportError, AttributeError):
+        return
+
+    async def handler(request):
+        return web.json_response(memory_now())
+    routes.get(MEMORY_PATH)(handler)
+
+
 _startup()
+_register_route()
