@@ -239,12 +239,6 @@ def check(call: AttnCall, env: Envelope) -> list[Violation]:
     return out
 
 
-def max_len_for_term(term: IndexTerm, stride: int) -> int:
-    """Largest extent whose last index times ``stride`` fits ``term``'s type."""
-    itype = term.itype if not (term.itype in ("i16", "i32") and stride > LIMITS[term.itype]) else "i64"
-    return LIMITS[itype] // max(stride, 1) + 1
-
-
 # ------------------------------------------------------------------- the families
 _Q1 = "sageattention-1.0.6"
 

@@ -3,8 +3,7 @@ import dataclasses
 
 import pytest
 
-from safe_ops.envelope import (I32_MAX, SAGE1_TRITON, SDPA, AttnCall, TensorDesc, check,
-                               max_len_for_term)
+from safe_ops.envelope import I32_MAX, SAGE1_TRITON, SDPA, AttnCall, TensorDesc, check
 from safe_ops.planner import Plan, choose, plan_for
 
 H3_STRIDE = 3 * 56 * 128   # 21,504: the qkv_proj row of MiniMax H3
@@ -72,12 +71,6 @@ def test_batch_term_and_i64_stride_promotion():
     # a stride that itself exceeds i32 is passed as i64 by Triton: no overflow
     huge = TensorDesc((2, 8, 64, 128), (3_000_000_000, 8192, 128, 1))
     assert not any(v.axis == "b" for v in index_violations(call_of(huge)))
-
-
-def test_max_len_for_term_matches_boundary():
-    term = SAGE1_TRITON.terms[2]
-    assert term.tensor == "q" and term.axis == "s"
-    assert max_len_for_term(term, H3_STRIDE) == 99_865
 
 
 @pytest.mark.parametrize("d,ok", [(64, True), (96, True), (128, True), (256, False), (80, False)])
