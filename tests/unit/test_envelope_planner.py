@@ -110,9 +110,8 @@ def test_gqa_heads_and_noncontiguous_last_dim():
 def test_direct_when_inside():
     p = plan_for(call_of(h3_view(99_865)), SAGE1_TRITON)
     assert (p.kind, p.kernel, p.layout, p.extra_bytes, p.launches) == ("direct", "sage1_triton", "HND", 0, 1)
-    # int8 q/k, fp16 v copy, bf16 output, fp32 scales
-    S = 99_865
-    assert p.kernel_temp_bytes == 2 * 56 * S * 128 + 2 * 56 * S * 128 * 2 + 4 * 56 * (-(-S // 128) + -(-S // 64))
+    # its kernel temporaries are held to the H200's measurement in test_predictions_measured.py
+    # (sageattn 1.0.6's own allocations, and the direct plan's peak at 38,000 tokens)
 
 
 @pytest.mark.parametrize("S", [99_866, 169_000, 199_729])
@@ -132,8 +131,9 @@ def test_head_groups_past_contiguous_head_limit():
     S = 305_041
     p = plan_for(call_of(h3_view(S)), SAGE1_TRITON)
     assert p.kind == "head_groups" and p.head_group == 28 and p.launches == 2
-    from safe_ops.envelope import SAGE1_TRITON as env
-    assert p.kernel_temp_bytes * 2 == pytest.approx(env.temp_bytes(call_of(h3_view(S))), rel=1e-3)
+    # the temporaries of one launch are those of one 28-head group, not of the whole call
+    assert p.kernel_temp_bytes == SAGE1_TRITON.temp_bytes(call_of(h3_view(S, heads=28)))
+    assert p.kernel_temp_bytes < SAGE1_TRITON.temp_bytes(call_of(h3_view(S)))
     t = TensorDesc.contiguous((1, 56, S, 128), "HND")
     p2 = plan_for(call_of(t), SAGE1_TRITON)
     assert p2.kind == "head_groups" and not p2.repack and p2.layout == "HND"
@@ -239,7 +239,7 @@ def test_budget_counts_kernel_temporaries():
     """A direct call whose kernel temporaries exceed the budget is not 'direct' any more."""
     call = call_of(h3_view(99_865))
     p = plan_for(call, SAGE1_TRITON)
-    assert p.kind == "direct" and p.peak_bytes == p.kernel_temp_bytes > 0
+    assert p.kind == "direct" and p.peak_bytes == p.kernel_temp_bytes == SAGE1_TRITON.temp_bytes(call)
     tight = plan_for(call, SAGE1_TRITON, budget_bytes=p.kernel_temp_bytes - 1)
     assert tight is not None and tight.kind != "direct" and tight.peak_bytes < p.kernel_temp_bytes
     assert "budget" in tight.reasons[0]
