@@ -95,15 +95,12 @@ def cite(where: str) -> str:
     return f"SageAttention@{TAG}:{where}"
 
 
-CORE = "sageattention/core.py"
-QUANT = "sageattention/quant.py"
 PT = "sageattention/triton/quant_per_thread.py"
 PB = "sageattention/triton/quant_per_block.py"
 TATTN = "sageattention/triton/attn_qk_int8_per_block.py"
 FUSED = "csrc/fused/fused.cu"
 SM80 = "csrc/qattn/qk_int_sv_f16_cuda_sm80.cu"
 SM89 = "csrc/qattn/qk_int_sv_f8_cuda_sm89.cuh"
-SM89_LAUNCH = "csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu"
 SM90 = "csrc/qattn/qk_int_sv_f8_cuda_sm90.cu"
 
 #: sage 2.2.0's ``return_lse=True`` kernel variant vs the plain one, same inputs: 2,217 vs 2,115 ms
@@ -301,8 +298,9 @@ SAGE2_SM86_TRITON = register(Envelope(
 
 _FP8_ATTN_Q = _cuda_attn_qo("qk_int_sv_f8_attn_kernel", f"{SM89}:200", f"{SM89}:201", f"{SM89}:668")
 # V fp8 (b, h, d) + tokens by pointer increments (qk_int_sv_f8_cuda_sm89.cuh:203, :263-264);
-# the launcher CHECK_CONTIGUOUS(value) (sm89_..._inst_buf.cu:26) and asserts
-# value.size(3) >= ceil(kv_len/64)*64 (:130), which per_channel_fp8's pad-to-64 meets.
+# the launcher (csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu) does
+# CHECK_CONTIGUOUS(value) (:26) and asserts value.size(3) >= ceil(kv_len/64)*64 (:130), which
+# per_channel_fp8's pad-to-64 meets.
 _FP8_ATTN_V = _terms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:203")
 
 _t, _d = _per_thread_triton()
