@@ -69,7 +69,9 @@ class SafeAttention:
         self.policy = policy
         self.rt = rt or runtime()
         self.verifier = verifier or Verifier(policy.verify)
-        # kernels handed in (tests, benches) are for rt's GPU only; found here, each GPU arch gets its own
+        # rt / kernels describe the current GPU (the home device); kernels handed in (tests,
+        # benches) are for it only, found here each other GPU arch gets its own
+        self._home = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._own_kernels = kernels is None
         if kernels is None:
             kernels = installed_kernels(self.rt)
@@ -175,10 +177,29 @@ class SafeAttention:
         except UnsupportedCall as e:
             report.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
             return self._run_comfy(func, args, kwargs, None)
-        out = self.attend(n, func)
+        try:
+            out = self.attend(n, func)
+        except Exception as e:          # noqa: BLE001 - see _internal_error
+            out = self._internal_error(e, n)
+            n.prepared = None
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
         return n.finish(out)
+
+    def _internal_error(self, e: Exception, n: Normalised) -> None:
+        """An error in SafeSage's own choosing or checking (a bug, or an environment it did not
+        foresee) must not fail the prompt: this call runs what ComfyUI would run (counted, logged
+        once with its traceback). A CUDA error is sticky and asynchronous: nothing can be
+        recomputed after it, so it is raised."""
+        if is_cuda_error(e):
+            raise e
+        report.count("internal_errors")
+        shape = f"q{tuple(n.q.shape)} k{tuple(n.k.shape)}"
+        if report.once(("internal", type(e).__name__, str(e)[:120]), logging.DEBUG, "internal error"):
+            log.error("SafeSage: internal error on %s (please report it, with this traceback); this call "
+                      "runs ComfyUI's own attention", shape, exc_info=e)
+        report.fallback(f"SafeSage internal error: {type(e).__name__}: {e}", shape)
+        return None
 
     def _layer_function(self, kwargs: dict, func: Callable) -> Callable:
         to = kwargs.get("transformer_options") or {}
@@ -279,11 +300,12 @@ class SafeAttention:
         return out
 
     def _guard_for(self, device: torch.device) -> "SafeAttention | None":
-        """Who guards calls on ``device``: this SafeAttention for its own GPU's arch (and off
-        CUDA); for a GPU of another arch in the same process, a SafeAttention made for that GPU
+        """Who guards calls on ``device``: this SafeAttention on the GPU it was made on (whose facts
+        it holds, e.g. a bench's emulated arch), off CUDA, and on any GPU of the same arch; for a GPU
+        of another arch in the same process, a SafeAttention made for that GPU
         (its own runtime, kernels and limits; same policy, verifier, chained override), once per
         device. None when this one was handed its kernels (they are for its GPU only)."""
-        if device.type != "cuda" or self.rt.arch is None:
+        if device.type != "cuda" or self.rt.arch is None or device.index in (None, self._home):
             return self
         try:
             return self._guards[device.index]

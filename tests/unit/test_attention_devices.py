@@ -69,3 +69,36 @@ def test_the_chained_override_is_judged_with_the_calls_gpu(two_gpus, monkeypatch
     n = type("N", (), {"q": type("Q", (), {"device": torch.device("cuda", 1)})(), "prepared": None})()
     assert att._previous_unsafe(n, None) is False          # no envelope found: nothing to judge
     assert seen == ["fam_sm120"]
+
+
+def test_an_error_in_safesages_own_code_never_fails_the_prompt(monkeypatch, caplog):
+    """A bug in choosing a plan (here: a TypeError, as a bench's 0-argument runtime stand-in gave
+    on the GPU) runs ComfyUI's own attention for the call, counted and logged once with its
+    traceback; a sticky CUDA error is raised (nothing can be recomputed after it)."""
+    report.reset()
+    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[], rt=RTS[0])
+    calls = []
+
+    def comfy(q, k, v, heads, **kw):
+        calls.append(q.shape)
+        return torch.full((1, q.shape[2], heads * q.shape[-1]), 3.0)
+
+    def bug(*a, **k):
+        raise TypeError("emulated() takes 0 positional arguments but 1 was given")
+    monkeypatch.setattr(att, "_prepare", bug)
+    q = torch.randn(1, 2, 5, 8)
+    with caplog.at_level("ERROR", logger="SafeSage"):
+        for _ in range(2):
+            out = att(comfy, q, q, q, 2, skip_reshape=True)
+            assert torch.equal(out, torch.full((1, 5, 16), 3.0))
+    assert len(calls) == 2
+    snap = report.snapshot()
+    assert snap["internal_errors"] == 2 and snap["fallbacks"] == 2
+    errors = [r for r in caplog.records if "internal error" in r.getMessage()]
+    assert len(errors) == 1 and errors[0].exc_info is not None, "logged once, with the traceback"
+
+    def sticky(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(att, "_prepare", sticky)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        att(comfy, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), 2, skip_reshape=True)
