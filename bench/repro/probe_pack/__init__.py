@@ -101,7 +101,7 @@ def safesage_sees_arch(arch: str, modules=None) -> list[str]:
         real = vars(rtm).get("_repro_real_runtime") or rtm.runtime
         fake = benchutil.emulated_runtime(arch, rtm=rtm, real=real())
 
-        def emulated():
+        def emulated(device=None):          # runtime(device): every GPU reads as ``arch``
             return fake
         emulated._repro_real_runtime = real
         for mname, m in list(modules.items()):
