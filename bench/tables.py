@@ -303,6 +303,28 @@ def compiler_section(d) -> list[str]:
     return out + [""]
 
 
+def soak_section(d) -> list[str]:
+    """bench/repro soak: one ComfyUI server, many prompts, an interrupted one, unload and reload."""
+    v = d["verdict"]
+    out = [f"## Soak: {d['prompts']} prompts in one ComfyUI server, {d['arm_label']} ({d['size']}, "
+           f"{d['steps']} step(s) each)", "",
+           f"Measured by `{d['command']}` (ComfyUI 0dd9b154's own server; sageattention 2.2.0 dispatching as "
+           f"{d['emulate_arch']}). GPU memory as the server's torch sees it after each event "
+           "(`/safesage_repro/memory`; with dynamic VRAM the weights live outside torch's allocator). "
+           f"Memory back to the first prompt's level after every prompt: **{v['memory_back_after_each_prompt']}** "
+           f"(largest deviation {v['max_abs_deviation_bytes']:,} bytes).", "",
+           "| after | status | allocated (bytes) | reserved (MiB) | SafeSage attention calls | SafeSage fallbacks |",
+           "|---|---|---|---|---|---|"]
+    for x in d["samples"]:
+        ss = x.get("safesage") or {}
+        status = x.get("status") or ""
+        if x.get("interrupted"):
+            status += " (interrupted)"
+        out.append(f"| {x['what']} | {status} | {x.get('allocated', 0):,} | {x.get('reserved', 0) / 2**20:,.0f} "
+                   f"| {ss.get('attention_calls', '–')} | {ss.get('fallbacks', '–')} |")
+    return out + [""]
+
+
 def ck_probe_call(side: str, layout: str, S: int):
     """The AttnCall of one ``gpu_kvchunks.py ck_probe`` attempt (256 rows on the short side)."""
     from safe_ops.envelope import AttnCall, TensorDesc
@@ -388,7 +410,9 @@ SECTIONS = (("stress_h200.json", stress_section), ("stress_nhd_repack_h200.json"
             ("mlp_comfy_castonce_balanced_h200.json", mlp_comfy_section),
             ("compiler_h200.json", compiler_section),
             ("compiler_shrinking_free_h200.json", compiler_section),
-            ("compiler_shrinking_free_blind_h200.json", compiler_section))
+            ("compiler_shrinking_free_blind_h200.json", compiler_section),
+            ("soak_38k_safesage_h200.json", soak_section), ("soak_38k_sage_h200.json", soak_section),
+            ("soak_169k_safesage_h200.json", soak_section), ("soak_169k_sage_h200.json", soak_section))
 TABLE_PATH = os.path.join(ROOT, "safe_ops", "kernel_table.json")
 DOC_PATH = os.path.join(ROOT, "docs", "BENCHMARKS.md")
 
