@@ -3,8 +3,8 @@
 :func:`limits_lines` closes the SafeSage Attention node's status text (its kernel's H3 limit
 on this GPU, and the plan for the reporter's graph); :func:`process_lines` says what earlier
 prompts in this process switched off (kernel families, failed first-call checks);
-:func:`model_context` is what the Preflight node takes from the MODEL connected to it. The nodes call these through
-``nodes/_backend.py`` and stay thin.
+:func:`model_context` is what the Preflight node takes from the MODEL connected to it. The nodes
+call these through ``nodes/_backend.py`` and stay thin.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
 
 def process_lines(snap: dict, show: int = 3) -> list[str]:
     """Lines for the SafeSage Attention node's status from ``report.snapshot()``: kernel families
-    switched off in this process and call classes whose kernel failed the first-call check (both
-    keep ComfyUI's own attention for what they cover until ComfyUI restarts)."""
+    switched off in this process (off until ComfyUI restarts) and call classes whose kernel failed
+    the first-call check (ComfyUI's own attention ran them; a new SafeSage node checks them again)."""
     out = []
     for fam, why in (snap.get("disabled_families") or {}).items():
         out.append(f"WARNING: {fam} is off for this ComfyUI process (ComfyUI's own attention runs instead): {why}")
@@ -49,8 +49,8 @@ def process_lines(snap: dict, show: int = 3) -> list[str]:
     if failed:
         shown = "; ".join(f"{cls}: {why}" for cls, why in list(failed.items())[:show])
         more = f" (+{len(failed) - show} more, see /safesage/stats)" if len(failed) > show else ""
-        out.append(f"WARNING: {len(failed)} kind(s) of call failed the first-call check and run ComfyUI's own "
-                   f"attention: {shown}{more}")
+        out.append(f"WARNING: {len(failed)} kind(s) of call failed the first-call check earlier in this process "
+                   f"(ComfyUI's own attention ran them): {shown}{more}")
     return out
 
 
