@@ -10,6 +10,9 @@ SAFESAGE_DEFAULTS = {
     "debug_sync": False,
 }
 
+# SafeSageAttention at its defaults, as an entry of sd2_chain's ``nodes``
+SAFESAGE_NODE = ("SafeSageAttention", SAFESAGE_DEFAULTS)
+
 
 def _common(model_ref, latent_node, seed, steps, cfg, scheduler, out_name):
     return {
@@ -41,6 +44,19 @@ def sd2_graph(unet_name, seed, out_name, safesage=None, steps=1, cfg=1.0):
     g, model_ref = _with_model(unet_name, safesage)
     latent = {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}
     g.update(_common(model_ref, latent, seed, steps, cfg, "normal", out_name))
+    return g
+
+
+def sd2_chain(unet_name, seed, out_name, nodes, steps=1):
+    """sd2_graph with ``nodes`` -- (class_type, inputs besides ``model``) -- chained between the
+    loader and the sampler, ids 30, 31, ... (e.g. SafeSage, a LoRA, another attention override)."""
+    g = sd2_graph(unet_name, seed, out_name, steps=steps)
+    ref = ["1", 0]
+    for i, (cls, inputs) in enumerate(nodes):
+        nid = str(30 + i)
+        g[nid] = {"class_type": cls, "inputs": {"model": ref, **inputs}}
+        ref = [nid, 0]
+    g["5"]["inputs"]["model"] = ref
     return g
 
 

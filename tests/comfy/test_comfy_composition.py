@@ -19,30 +19,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from comfy_graphs import SAFESAGE_DEFAULTS, saved_latents, sd2_graph, stats_delta
-
-
-def _chain(unet, seed, name, nodes):
-    """sd2_graph with `nodes` (class_type, extra inputs) between the loader and the sampler."""
-    g = sd2_graph(unet, seed, name)
-    ref = ["1", 0]
-    for i, (cls, inputs) in enumerate(nodes):
-        nid = str(30 + i)
-        g[nid] = {"class_type": cls, "inputs": {"model": ref, **inputs}}
-        ref = [nid, 0]
-    g["5"]["inputs"]["model"] = ref
-    return g
-
-
-SAFESAGE = ("SafeSageAttention", SAFESAGE_DEFAULTS)
+from comfy_graphs import SAFESAGE_NODE as SAFESAGE, saved_latents, stats_delta, sd2_chain
 
 
 def test_two_safesage_nodes_in_a_row(comfy, tiny_sd2, seed_counter):
     unet = os.path.basename(tiny_sd2["path"])
     seed = seed_counter()
-    (plain,) = saved_latents(comfy.run(_chain(unet, seed, "two_plain", [])))
+    (plain,) = saved_latents(comfy.run(sd2_chain(unet, seed, "two_plain", [])))
     before = comfy.safesage_stats()
-    (twice,) = saved_latents(comfy.run(_chain(unet, seed, "two_safesage", [SAFESAGE, SAFESAGE])))
+    (twice,) = saved_latents(comfy.run(sd2_chain(unet, seed, "two_safesage", [SAFESAGE, SAFESAGE])))
     after = comfy.safesage_stats()
     assert torch.equal(twice, plain)
     # one override on the model: each attention call counted once, not twice
@@ -65,11 +50,11 @@ def test_another_attention_override_before_and_after_safesage(comfy, tiny_sd2, s
 
 def _before_and_after(comfy, unet, backend, seed, per_forward):
     tag = backend[0]
-    (alone,) = saved_latents(comfy.run(_chain(unet, seed, f"{tag}_alone", [backend])))
+    (alone,) = saved_latents(comfy.run(sd2_chain(unet, seed, f"{tag}_alone", [backend])))
     before = comfy.safesage_stats()
-    (chained,) = saved_latents(comfy.run(_chain(unet, seed, f"{tag}_then_safesage", [backend, SAFESAGE])))
+    (chained,) = saved_latents(comfy.run(sd2_chain(unet, seed, f"{tag}_then_safesage", [backend, SAFESAGE])))
     mid = comfy.safesage_stats()
-    (replaced,) = saved_latents(comfy.run(_chain(unet, seed, f"safesage_then_{tag}", [SAFESAGE, backend])))
+    (replaced,) = saved_latents(comfy.run(sd2_chain(unet, seed, f"safesage_then_{tag}", [SAFESAGE, backend])))
     after = comfy.safesage_stats()
     assert torch.equal(chained, alone) and torch.equal(replaced, alone), tag
     assert stats_delta(before, mid, "attention_calls") == per_forward, tag

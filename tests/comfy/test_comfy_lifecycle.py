@@ -16,22 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 requests = pytest.importorskip("requests")
 
-from comfy_graphs import SAFESAGE_DEFAULTS, max_rel_diff, saved_latents, sd2_graph, stats_delta
+from comfy_graphs import SAFESAGE_NODE as SAFESAGE, max_rel_diff, saved_latents, stats_delta, sd2_chain
 from comfy_server import execution_error
-
-SAFESAGE = ("SafeSageAttention", SAFESAGE_DEFAULTS)
-
-
-def _chain(unet, seed, name, nodes, steps=1):
-    """sd2_graph with `nodes` (class_type, extra inputs) between the loader and the sampler."""
-    g = sd2_graph(unet, seed, name, steps=steps)
-    ref = ["1", 0]
-    for i, (cls, inputs) in enumerate(nodes):
-        nid = str(30 + i)
-        g[nid] = {"class_type": cls, "inputs": {"model": ref, **inputs}}
-        ref = [nid, 0]
-    g["5"]["inputs"]["model"] = ref
-    return g
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +48,12 @@ def test_lora_after_safesage(comfy, tiny_sd2, tiny_lora, seed_counter):
     unet = os.path.basename(tiny_sd2["path"])
     lora = ("LoraLoaderModelOnly", {"lora_name": tiny_lora["name"], "strength_model": 1.0})
     seed = seed_counter()
-    (plain,) = saved_latents(comfy.run(_chain(unet, seed, "lora_none", [])))
-    (lora_only,) = saved_latents(comfy.run(_chain(unet, seed, "lora_only", [lora])))
+    (plain,) = saved_latents(comfy.run(sd2_chain(unet, seed, "lora_none", [])))
+    (lora_only,) = saved_latents(comfy.run(sd2_chain(unet, seed, "lora_only", [lora])))
     before = comfy.safesage_stats()
-    (after_ss,) = saved_latents(comfy.run(_chain(unet, seed, "safesage_then_lora", [SAFESAGE, lora])))
+    (after_ss,) = saved_latents(comfy.run(sd2_chain(unet, seed, "safesage_then_lora", [SAFESAGE, lora])))
     mid = comfy.safesage_stats()
-    (before_ss,) = saved_latents(comfy.run(_chain(unet, seed, "lora_then_safesage", [lora, SAFESAGE])))
+    (before_ss,) = saved_latents(comfy.run(sd2_chain(unet, seed, "lora_then_safesage", [lora, SAFESAGE])))
     after = comfy.safesage_stats()
     assert max_rel_diff(lora_only, plain) > 1e-3, "the LoRA must change the latent, or this test shows nothing"
     assert torch.equal(after_ss, lora_only) and torch.equal(before_ss, lora_only)
@@ -86,10 +72,10 @@ def test_torch_compile_after_safesage(comfy, tiny_sd2, seed_counter):
     unet = os.path.basename(tiny_sd2["path"])
     compile_ = ("TorchCompileModel", {"backend": "inductor"})
     seed = seed_counter()
-    (plain,) = saved_latents(comfy.run(_chain(unet, seed, "compile_none", [])))
-    (compiled,) = saved_latents(comfy.run(_chain(unet, seed, "compile_only", [compile_]), timeout=900))
+    (plain,) = saved_latents(comfy.run(sd2_chain(unet, seed, "compile_none", [])))
+    (compiled,) = saved_latents(comfy.run(sd2_chain(unet, seed, "compile_only", [compile_]), timeout=900))
     before = comfy.safesage_stats()
-    (both,) = saved_latents(comfy.run(_chain(unet, seed, "safesage_then_compile", [SAFESAGE, compile_]),
+    (both,) = saved_latents(comfy.run(sd2_chain(unet, seed, "safesage_then_compile", [SAFESAGE, compile_]),
                                       timeout=900))
     after = comfy.safesage_stats()
     # compiling alone moves the latent by inductor's fusions; SafeSage under compile must stay as close
@@ -113,9 +99,9 @@ def test_interrupted_prompt_then_the_next_is_fine(comfy, tiny_sd2, seed_counter)
     and the next prompt runs normally, with the latent of the same graph without SafeSage."""
     unet = os.path.basename(tiny_sd2["path"])
     seed = seed_counter()
-    (ref,) = saved_latents(comfy.run(_chain(unet, seed, "after_interrupt_ref", [], steps=3)))
+    (ref,) = saved_latents(comfy.run(sd2_chain(unet, seed, "after_interrupt_ref", [], steps=3)))
     start = comfy.safesage_stats()
-    pid = comfy.post_prompt(_chain(unet, seed_counter(), "interrupted", [SAFESAGE], steps=5000))
+    pid = comfy.post_prompt(sd2_chain(unet, seed_counter(), "interrupted", [SAFESAGE], steps=5000))
     assert isinstance(pid, str), pid
     _wait_counter(comfy, "forwards", int(start.get("forwards", 0)) + 2)   # sampling is under way
     requests.post(comfy.url + "/interrupt", timeout=30).raise_for_status()
@@ -127,7 +113,7 @@ def test_interrupted_prompt_then_the_next_is_fine(comfy, tiny_sd2, seed_counter)
     assert stats_delta(start, mid, "forwards") < 5000
     assert stats_delta(start, mid, "fallbacks") == 0 and stats_delta(start, mid, "kernel_errors") == 0
 
-    (after,) = saved_latents(comfy.run(_chain(unet, seed, "after_interrupt", [SAFESAGE], steps=3)))
+    (after,) = saved_latents(comfy.run(sd2_chain(unet, seed, "after_interrupt", [SAFESAGE], steps=3)))
     end = comfy.safesage_stats()
     assert torch.equal(after, ref)
     assert stats_delta(mid, end, "forwards") == 3
@@ -144,7 +130,7 @@ def test_model_unloaded_and_loaded_again(comfy, tiny_sd2, seed_counter):
     the model again and SafeSage patches it again: same latent, every attention call through SafeSage."""
     unet = os.path.basename(tiny_sd2["path"])
     seed = seed_counter()
-    g = _chain(unet, seed, "reload", [SAFESAGE])
+    g = sd2_chain(unet, seed, "reload", [SAFESAGE])
     s0 = comfy.safesage_stats()
     (first,) = saved_latents(comfy.run(g))
     s1 = comfy.safesage_stats()
