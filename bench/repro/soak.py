@@ -25,20 +25,7 @@ from .worker import make_server
 MEMORY = "/safesage_repro/memory"
 
 
-def _post(server, path, body=None):
-    import requests
-    r = requests.post(server.url + path, json=body or {}, timeout=30)
-    r.raise_for_status()
-
-
-def _run(server, graph, timeout) -> dict:
-    pid = server.post_prompt(graph)
-    if not isinstance(pid, str):
-        raise RuntimeError("prompt rejected: " + json.dumps(pid)[:300])
-    return server.wait_history(pid, timeout)
-
-
-def _wait_steps(server, probe_path, pid, steps_done, timeout):
+def _wait_steps(server, probe_path, steps_done, timeout):
     """Until the probe has timed ``steps_done`` steps of the running prompt (its JSON file)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -92,22 +79,21 @@ def run_soak(*, comfy, ckpt, arm, size, work, prompts=20, steps=2, seed=77, cpu=
 
         doc["samples"].append(_sample(server, "server up", t0))
         for i in range(prompts):
-            entry = _run(server, graph(i, steps), timeout)
+            entry = server.queue_and_wait(graph(i, steps), timeout)
             doc["samples"].append(_sample(server, f"after prompt {i + 1}", t0,
                                           status=entry["status"]["status_str"]))
         # an interrupted prompt: queued with many steps, interrupted once two have run
         pid = server.post_prompt(graph(prompts, interrupt_steps))
-        reached = _wait_steps(server, files["probe"], pid, 2, timeout)
-        _post(server, "/interrupt")
+        reached = _wait_steps(server, files["probe"], 2, timeout)
+        server.post_json("/interrupt")
         entry = server.wait_history(pid, timeout)
         kinds = [m[0] for m in entry["status"].get("messages", [])]
         doc["samples"].append(_sample(server, "after interrupted prompt", t0, status=entry["status"]["status_str"],
                                       interrupted="execution_interrupted" in kinds, reached_step_2=reached))
         # every model unloaded and ComfyUI's caches dropped, then loaded again by the next prompt
-        _post(server, "/free", {"unload_models": True, "free_memory": True})
-        time.sleep(3.0)            # the prompt worker takes the flags within its 1 s poll
+        server.free()
         doc["samples"].append(_sample(server, "after /free (models unloaded)", t0))
-        entry = _run(server, graph(prompts + 1, steps), timeout)
+        entry = server.queue_and_wait(graph(prompts + 1, steps), timeout)
         doc["samples"].append(_sample(server, "after reload prompt", t0, status=entry["status"]["status_str"]))
     except Exception as e:          # noqa: BLE001 - recorded; the JSON says how far it got
         doc["errors"].append(f"{type(e).__name__}: {e}")

@@ -196,6 +196,16 @@ class ComfyProcess:
         r.raise_for_status()
         return r.json()
 
+    def post_json(self, path: str, body: dict | None = None, timeout: float = 30) -> None:
+        """POST a JSON body to one of ComfyUI's routes (e.g. /interrupt; /free)."""
+        requests.post(self.url + path, json=body or {}, timeout=timeout).raise_for_status()
+
+    def free(self) -> None:
+        """ComfyUI's POST /free: unload every model and drop the executor's caches. The prompt worker
+        takes the flags within its 1 s poll; this waits long enough for that."""
+        self.post_json("/free", {"unload_models": True, "free_memory": True})
+        time.sleep(3.0)
+
     def object_info(self, node: str = "") -> dict:
         return self.get_json("/object_info" + ("/" + node if node else ""), timeout=60)
 
@@ -208,6 +218,14 @@ class ComfyProcess:
             return r.json()
         r.raise_for_status()
         return r.json()["prompt_id"]
+
+    def queue_and_wait(self, graph: dict, timeout: float = 300) -> dict:
+        """Queue a graph and return its /history entry, success or error (RuntimeError when
+        ComfyUI rejects the prompt)."""
+        pid = self.post_prompt(graph)
+        if not isinstance(pid, str):
+            raise RuntimeError("prompt rejected: %s" % json.dumps(pid, indent=1)[:3000])
+        return self.wait_history(pid, timeout)
 
     def wait_history(self, prompt_id: str, timeout: float = 300) -> dict:
         """The /history entry of a finished prompt (success or error). Raises ServerDied when the

@@ -75,9 +75,7 @@ class ComfyServer(ComfyProcess):
 
     def run(self, graph: dict, timeout: float = 300) -> dict:
         """Queue a graph that must succeed; returns its history entry."""
-        pid = self.post_prompt(graph)
-        assert isinstance(pid, str), "prompt rejected: %s" % json.dumps(pid, indent=1)[:3000]
-        entry = self.wait_history(pid, timeout)
+        entry = self.queue_and_wait(graph, timeout)
         if entry["status"]["status_str"] != "success":
             raise AssertionError("prompt failed: %s\nlog tail:\n%s" % (
                 json.dumps(execution_error(entry), indent=1)[:4000], self.log_tail()))

@@ -14,7 +14,6 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-requests = pytest.importorskip("requests")
 
 from comfy_graphs import SAFESAGE_NODE as SAFESAGE, max_rel_diff, saved_latents, stats_delta, sd2_chain
 from comfy_server import execution_error
@@ -104,7 +103,7 @@ def test_interrupted_prompt_then_the_next_is_fine(comfy, tiny_sd2, seed_counter)
     pid = comfy.post_prompt(sd2_chain(unet, seed_counter(), "interrupted", [SAFESAGE], steps=5000))
     assert isinstance(pid, str), pid
     _wait_counter(comfy, "forwards", int(start.get("forwards", 0)) + 2)   # sampling is under way
-    requests.post(comfy.url + "/interrupt", timeout=30).raise_for_status()
+    comfy.post_json("/interrupt")
     entry = comfy.wait_history(pid, timeout=300)
     kinds = [m[0] for m in entry["status"]["messages"]]
     assert entry["status"]["status_str"] == "error" and "execution_interrupted" in kinds, kinds
@@ -134,9 +133,7 @@ def test_model_unloaded_and_loaded_again(comfy, tiny_sd2, seed_counter):
     s0 = comfy.safesage_stats()
     (first,) = saved_latents(comfy.run(g))
     s1 = comfy.safesage_stats()
-    requests.post(comfy.url + "/free", json={"unload_models": True, "free_memory": True},
-                  timeout=30).raise_for_status()
-    time.sleep(2.5)             # ComfyUI's prompt worker takes the flags within its 1 s poll
+    comfy.free()
     g["6"]["inputs"]["name"] = "reload_again"
     entry = comfy.run(g)
     (second,) = saved_latents(entry)
