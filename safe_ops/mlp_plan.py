@@ -109,7 +109,6 @@ def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torc
     if setting == "auto":
         if budget_bytes is None:
             budget_bytes = auto_budget_bytes(device)
-        dtype_bytes = torch.empty((), dtype=dtype).element_size()
-        return balanced(S, plan_chunk(S, hidden, ffn, dtype_bytes, budget_bytes))
+        return balanced(S, plan_chunk(S, hidden, ffn, dtype.itemsize, budget_bytes))
     return min(int(setting), S)
 
