@@ -151,9 +151,8 @@ def chunk_for_call(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: tor
     key = (compiler.run_id(), S, hidden, ffn, dtype, device)
     c = _RUN_CHUNKS.get(key)
     if c is None:
-        if len(_RUN_CHUNKS) > 256:
-            _RUN_CHUNKS.clear()
         c = _RUN_CHUNKS[key] = resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
+        report.trim(_RUN_CHUNKS)       # the store's bound; the oldest (earlier runs') go first
     return c
 
 
