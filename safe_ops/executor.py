@@ -205,10 +205,12 @@ def lse_merge(acc: torch.Tensor | None, run: torch.Tensor | None, o: torch.Tenso
               lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fold one key chunk's normalised output ``o`` [B,H,S,D] with LSE ``lse`` [B,H,S] into
     the running float32 ``acc`` / ``run`` (None to start). Exact: softmax over the union of
-    the chunks' keys, as long as every ``lse`` is off by the same per-row constant."""
+    the chunks' keys, as long as every ``lse`` is off by the same per-row constant. The first
+    ``o`` becomes the accumulator (a float32 launch output is updated in place, not copied: it is
+    the launch's own tensor, which nothing else reads)."""
     lse = lse.float()
     if acc is None:
-        return o.float().clone() if o.dtype == torch.float32 else o.float(), lse
+        return o.float(), lse
     new = torch.logaddexp(run, lse)
     acc.mul_(torch.exp(run - new).unsqueeze(-1))
     acc.addcmul_(o, torch.exp(lse - new).unsqueeze(-1))
