@@ -26,13 +26,16 @@ MEMORY = "/safesage_repro/memory"
 
 
 def _wait_steps(server, probe_path, steps_done, timeout):
-    """Until the probe has timed ``steps_done`` steps of the running prompt (its JSON file)."""
+    """Until the probe has timed ``steps_done`` steps of the prompt now sampling. Its JSON file
+    still holds the previous prompt's steps until the new one starts: that prompt ended in phase
+    "done", the running one is in phase "step k/n done"."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
             with open(probe_path) as f:
-                if len(json.load(f).get("step_end_times") or []) >= steps_done:
-                    return True
+                rec = json.load(f)
+            if str(rec.get("phase", "")).startswith("step ") and len(rec.get("step_end_times") or []) >= steps_done:
+                return True
         except (OSError, ValueError):
             pass
         if server.ended() is not None:
