@@ -35,9 +35,12 @@ _BUILD_ERRORS = ("is not available", "no kernel image", "invalid device function
 
 
 def is_build_error(e: BaseException) -> bool:
-    """The kernel's build cannot run here (every call would fail the same way)."""
+    """The kernel's build cannot run here (every call would fail the same way): a missing
+    extension, or an error that says the build has no kernel for this GPU. Not an error that only
+    refuses one call (e.g. a ``NotImplementedError`` for one shape or dtype): that call falls back,
+    the family stays on."""
     msg = str(e)
-    return isinstance(e, (ImportError, NotImplementedError)) or any(s in msg for s in _BUILD_ERRORS)
+    return isinstance(e, ImportError) or any(s in msg for s in _BUILD_ERRORS)
 
 
 def is_oom(e: BaseException) -> bool:
