@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .comfy_call import Normalised
-from .streams import StreamHop
+from .streams import legacy_hop, run_hopped
 from .kernels import Kernel
 from .planner import Plan
 from . import report
@@ -78,27 +78,12 @@ class Executor:
         kern = self.kernels[plan.kernel]
         q, k = n.q, n.k
         dev = q.device
-        hop = None
-        if kern.envelope.launches_on_legacy_stream and dev.type == "cuda":
-            cur = torch.cuda.current_stream(dev)
-            legacy = torch.cuda.default_stream(dev)
-            if cur != legacy:
-                hop = StreamHop(cur, legacy)
+        hop = legacy_hop(dev) if kern.envelope.launches_on_legacy_stream and dev.type == "cuda" else None
         if hop is None:
             out = self._launch_all(plan, kern, n)
         else:
             report.count("stream_hops")
-            hop.enter()
-            try:
-                with torch.cuda.stream(hop.target):
-                    out = self._launch_all(plan, kern, n)
-            finally:
-                # Even when a launch raised: the caller's stream must not run ahead of (and the
-                # allocator must not hand out memory still read by) what was already enqueued.
-                hop.exit()
-            # `out` was allocated on the legacy stream and is consumed on the caller's:
-            # tell the allocator, so its memory is not reused before the caller is done.
-            out.record_stream(hop.origin)
+            out = run_hopped(hop, lambda: self._launch_all(plan, kern, n))
         if self.debug_sync and dev.type == "cuda":
             try:
                 torch.cuda.synchronize(dev)

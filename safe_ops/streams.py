@@ -8,10 +8,13 @@ call. Events are made through ``event_factory`` so tests can drive them without 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger("SafeSage")
 
 
 def _cuda_event_factory() -> Any:
@@ -41,3 +44,38 @@ class StreamHop:
         ev.record(self.target)
         self.origin.wait_event(ev)
         return ev
+
+
+def legacy_hop(device: torch.device) -> StreamHop | None:
+    """The hop from the caller's current stream of ``device`` to its legacy default stream (where
+    sage 2.x launches), or None when the caller already runs there."""
+    cur = torch.cuda.current_stream(device)
+    legacy = torch.cuda.default_stream(device)
+    return None if cur == legacy else StreamHop(cur, legacy)
+
+
+def run_hopped(hop: StreamHop, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``launch()`` on ``hop.target``, ordered after everything already enqueued on the caller's
+    stream (``enter`` before the launch) and before anything the caller enqueues next (``exit``,
+    also when the launch raised: what it enqueued before raising still reads the caller's
+    tensors). The result, allocated on the target stream and read on the caller's, gets
+    ``record_stream`` for the caller's, so its memory is not reused before the caller is done.
+
+    When the launch raised, its error is the one raised (an ``exit`` that fails as well is logged,
+    not raised in its place: the caller decides from the kernel's error what to do)."""
+    hop.enter()
+    try:
+        with torch.cuda.stream(hop.target):
+            out = launch()
+    except BaseException as e:
+        try:
+            hop.exit()
+        except Exception as x:  # noqa: BLE001 - the kernel's error is the one that matters
+            log.error("SafeSage: ordering the caller's stream after the failed launch failed too: %s: %s "
+                      "(the launch's error follows)", type(x).__name__, x)
+            if hasattr(e, "add_note"):
+                e.add_note(f"SafeSage: the stream hop's exit failed too: {type(x).__name__}: {x}")
+        raise
+    hop.exit()
+    out.record_stream(hop.origin)
+    return out

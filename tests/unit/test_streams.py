@@ -57,3 +57,148 @@ def test_a_guarded_call_keeps_none_of_its_copies_alive():
     assert plan.kind == "head_groups" and plan.repack and len(kern.launches) == plan.launches > 1
     assert len(seen) == 3 * plan.launches, "the spy saw every launch's q, k and v"
     assert not [t for t in alive if t.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()]
+
+
+# ------------------------------------------------- the executor's hop, on a fake CUDA (no GPU)
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from safe_ops import report  # noqa: E402
+from safe_ops.executor import Executor  # noqa: E402
+from safe_ops.kernels import Kernel  # noqa: E402
+
+from test_attention import toy_envelope  # noqa: E402
+
+
+class FakeCuda:
+    """torch.cuda's stream API as the executor uses it, recording every ordering step in ``trace``:
+    ("record", stream, event), ("wait", stream, event), ("stream", stream) / ("stream_end", stream)
+    around ``torch.cuda.stream``, ("launch", the current stream), ("record_stream", stream)."""
+
+    def __init__(self, current="caller"):
+        self.trace = []
+        self.legacy = self.stream_named("legacy")
+        self.caller = self.legacy if current == "legacy" else self.stream_named("caller")
+        self.current = self.caller
+        self.fail_wait_on = None          # a stream whose wait_event raises
+
+    def stream_named(self, name):
+        fake = self
+
+        class S:
+            def wait_event(self, ev):
+                if fake.fail_wait_on is self:
+                    raise RuntimeError("CUDA error: emulated failure of cudaStreamWaitEvent")
+                fake.trace.append(("wait", name, ev.n))
+
+            def __repr__(self):
+                return name
+        s = S()
+        s.name = name
+        return s
+
+    def install(self, monkeypatch):
+        fake = self
+        events = []
+
+        class Event:
+            def __init__(self):
+                self.n = len(events)
+                events.append(self)
+
+            def record(self, stream=None):
+                fake.trace.append(("record", (stream or fake.current).name, self.n))
+
+        @contextlib.contextmanager
+        def stream(s):
+            prev, fake.current = fake.current, s
+            fake.trace.append(("stream", s.name))
+            try:
+                yield
+            finally:
+                fake.current = prev
+                fake.trace.append(("stream_end", s.name))
+
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: fake.current)
+        monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: fake.legacy)
+        monkeypatch.setattr(torch.cuda, "stream", stream)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        return self
+
+    def launch(self, raises=None):
+        self.trace.append(("launch", self.current.name))
+        if raises is not None:
+            raise raises
+        fake = self
+
+        class Out:
+            def record_stream(self, s):
+                fake.trace.append(("record_stream", s.name))
+        return Out()
+
+
+def fake_executor(fake, legacy=True, raises=None):
+    env = dataclasses.replace(toy_envelope(), launches_on_legacy_stream=legacy)
+    ex = Executor({"fam": Kernel(env, lambda *a: None, 0.05)})
+    ex._launch_all = lambda plan, kern, n: fake.launch(raises)
+    q = SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2, 8, 16))
+    return ex, SimpleNamespace(kernel="fam"), SimpleNamespace(q=q, k=q, v=q)
+
+
+HOPPED = [("record", "caller", 0), ("wait", "legacy", 0),          # enter: legacy after the caller's work
+          ("stream", "legacy"), ("launch", "legacy"), ("stream_end", "legacy"),
+          ("record", "legacy", 1), ("wait", "caller", 1)]            # exit: the caller after the launch
+
+
+@pytest.fixture
+def fresh_report():
+    report.reset()
+    yield
+    report.reset()
+
+
+def test_executor_hops_a_legacy_stream_launch_and_back(monkeypatch, fresh_report):
+    """From a side stream, a legacy-stream family runs on the legacy stream after an enter event,
+    the caller's stream waits for an exit event, and the output is recorded for the caller's
+    stream. Catches: never hopping, no ``hop.exit()``, no ``record_stream``."""
+    fake = FakeCuda().install(monkeypatch)
+    ex, plan, n = fake_executor(fake)
+    ex.run(plan, n)
+    assert fake.trace == HOPPED + [("record_stream", "caller")]
+    assert report.STATS["stream_hops"] == 1 and fake.current is fake.caller
+
+
+@pytest.mark.parametrize("current,legacy", [("legacy", True), ("caller", False)])
+def test_executor_does_not_hop_when_not_needed(monkeypatch, fresh_report, current, legacy):
+    """Already on the legacy stream, or a family that launches on the current stream (Triton):
+    the launch runs where the caller is, with no events."""
+    fake = FakeCuda(current).install(monkeypatch)
+    ex, plan, n = fake_executor(fake, legacy=legacy)
+    ex.run(plan, n)
+    assert fake.trace == [("launch", current)] and report.STATS["stream_hops"] == 0
+
+
+def test_executor_hop_exits_also_when_the_kernel_raises(monkeypatch, fresh_report):
+    """A launch that raised may have enqueued work reading the caller's tensors: the caller's
+    stream still waits for the legacy stream; the kernel's error is raised unchanged."""
+    fake = FakeCuda().install(monkeypatch)
+    ex, plan, n = fake_executor(fake, raises=NotImplementedError("no variant for this shape"))
+    with pytest.raises(NotImplementedError, match="no variant for this shape"):
+        ex.run(plan, n)
+    assert fake.trace == HOPPED and fake.current is fake.caller
+
+
+def test_an_exit_that_raises_does_not_hide_the_kernels_error(monkeypatch, fresh_report, caplog):
+    """The caller (attention.attend) decides from the kernel's error (build error, OOM, sticky CUDA
+    error): an exit that fails too is logged, and the kernel's error is the one raised."""
+    fake = FakeCuda().install(monkeypatch)
+    fake.fail_wait_on = fake.caller
+    ex, plan, n = fake_executor(fake, raises=MemoryError("kernel temporaries: out of memory"))
+    with caplog.at_level("ERROR", logger="SafeSage"):
+        with pytest.raises(MemoryError, match="out of memory"):
+            ex.run(plan, n)
+    assert fake.trace[:6] == HOPPED[:6], "the exit was attempted after the launch"
+    assert "emulated failure of cudaStreamWaitEvent" in caplog.text
