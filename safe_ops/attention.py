@@ -77,6 +77,8 @@ class SafeAttention:
             kernels = installed_kernels(self.rt)
         self.kernels: dict[str, Kernel] = {kk.family: kk for kk in kernels}
         self.kernels.setdefault("sdpa", SDPA_KERNEL)
+        # verdicts and kill switches hold for one GPU arch and kernel build (Runtime.kernel_site)
+        self._sites = {f: self.rt.kernel_site(f) for f in self.kernels}
         self.previous = previous
         self.previous_kind = unguarded_kind(previous)       # "sage" / "ck" / None
         self.layer_functions = {k: getattr(f, "__wrapped__", f) for k, f in (layer_functions or {}).items()}
@@ -89,9 +91,10 @@ class SafeAttention:
 
     @property
     def broken(self) -> dict[str, str]:
-        """Families whose build cannot run here: off for every call in this process (the report's
-        one list, so a SafeSage node applied later in the process knows them too)."""
-        return report.disabled_families()
+        """Families whose build cannot run on this GPU: off for every call here in this process (the
+        report's one list, so a SafeSage node applied later in the process knows them too); the
+        same family on a GPU of another arch, or another build, is not affected."""
+        return report.disabled_at(self._sites)
 
     def __deepcopy__(self, memo):
         # Clones of a patched model share one override (its caches are process-wide
@@ -351,11 +354,11 @@ class SafeAttention:
         return _Prepared(plan, call, shape_key, f"plan:{plan.kind}", envelopes,
                          {} if budget is None else {budget: plan}, {}, tflops)
 
-    @staticmethod
-    def _class_key(family: str, call: AttnCall) -> tuple:
-        """Verdicts are per class of *call* (the caller's layout), whatever plan ran it."""
-        return class_key(family, call.dtype, call.head_dim, call.layout, call.heads, call.kv_heads,
-                         call.q_len, call.kv_len)
+    def _class_key(self, family: str, call: AttnCall) -> tuple:
+        """Verdicts are per class of *call* (the caller's layout), whatever plan ran it, on this
+        GPU arch with this kernel build."""
+        return class_key(family, self._sites[family], call.dtype, call.head_dim, call.layout, call.heads,
+                         call.kv_heads, call.q_len, call.kv_len)
 
     def _verify(self, p: "_Prepared", plan: Plan, ck: tuple, n: Normalised, out: torch.Tensor) -> torch.Tensor | None:
         # under ComfyUI's compiler: a first-step-only allocation would be a graph break on step 2
@@ -385,10 +388,10 @@ class SafeAttention:
         memory, or any other error of one call: this call only)."""
         fam = plan.kernel
         if scope == "family":
-            report.disabled(fam, why)
+            report.disabled(fam, why, self._sites[fam])
             report.count("kernel_errors")
         elif scope == "class":
-            report.failed_check(f"{fam} {p.shape_key}", why)
+            report.failed_check(f"{fam} on {self.rt.arch_name} {p.shape_key}", why)
         if scope == "call":
             p.run = None                 # under the compiler: choose again at the next call
             report.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")
@@ -398,7 +401,7 @@ class SafeAttention:
         else:
             report.once(("kernel-failed", fam, p.class_keys.get(fam)), logging.ERROR,
                         "SafeSage: %s for %s; recomputing with ComfyUI's own attention and not using %s again for "
-                        "%s in this process.", why, p.shape_key, fam,
+                        "%s in this process.", why, p.shape_key, f"{fam} on {self._sites[fam]}",
                         "any call" if scope == "family" else "this class of call")
             self._prepared.clear()
         report.fallback(why, p.shape_key)

@@ -4,7 +4,8 @@ Envelopes stop kernels that fault; they cannot stop a kernel that silently
 computes garbage (HAZARDS.md H-6: sage 2.2.0 sm_90 built from source returns
 noise with no CUDA error; sm_120 FP8-PV turns to noise above ~154-160k tokens).
 
-The first time a kernel family runs a new *class* of call -- dtype, head dim,
+The first time a kernel family runs a new *class* of call -- on this GPU arch with this build of
+the kernel, dtype, head dim,
 layout, GQA ratio, and a size class fine enough in sequence length to separate
 150k from 160k -- :class:`Verifier` recomputes a few hundred query rows (spread
 over the sequence, plus the last tile) of four heads of every batch element
@@ -48,9 +49,12 @@ def size_class(n: int) -> int:
     return n // SIZE_CLASS_TOKENS
 
 
-def class_key(family: str, dtype: str, head_dim: int, layout: str, heads: int, kv_heads: int,
+def class_key(family: str, site: str, dtype: str, head_dim: int, layout: str, heads: int, kv_heads: int,
               q_len: int, kv_len: int) -> tuple:
-    return (family, dtype, head_dim, layout, heads // max(kv_heads, 1), size_class(q_len), size_class(kv_len))
+    """The class of a call a verdict covers. ``site``: the GPU arch and kernel build
+    (``Runtime.kernel_site``): a kernel checked on one arch or build is not trusted on another."""
+    return (family, site, dtype, head_dim, layout, heads // max(kv_heads, 1), size_class(q_len),
+            size_class(kv_len))
 
 
 @dataclass

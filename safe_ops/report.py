@@ -23,7 +23,8 @@ _lock = threading.Lock()
 STATS: Counter = Counter()
 FALLBACKS: Counter = Counter()          # reason -> count
 PLANS: dict[str, str] = {}              # shape key -> plan description (first seen)
-DISABLED: dict[str, str] = {}           # kernel family -> why it is not used again in this process
+DISABLED: dict[str, str] = {}           # "family on <arch (build)>" -> why it is not used again in this process
+_DISABLED_AT: dict[str, tuple] = {}      # that label -> (family, where) (where None: everywhere)
 FAILED_CHECKS: dict[str, str] = {}      # call class -> why its kernel failed the first-call check
 _SECTION_FALLBACKS: dict[str, Counter] = {}   # section -> reason -> count
 _logged: dict = {}                      # log-once keys (a dict keeps their insertion order)
@@ -53,15 +54,28 @@ def count(key: str, n: int = 1) -> None:
         STATS[key] += n
 
 
-def disabled(family: str, why: str) -> None:
+def disabled(family: str, why: str, where: str | None = None) -> None:
+    """Switch ``family`` off for this process where ``where`` says (a GPU arch and kernel build,
+    ``Runtime.kernel_site``: the same family on another arch or build stays on); everywhere when
+    None."""
+    label = family if where is None else f"{family} on {where}"
     with _lock:
-        DISABLED[family] = why
+        DISABLED[label] = why
+        _DISABLED_AT[label] = (family, where)
 
 
 def disabled_families() -> dict[str, str]:
-    """Kernel families switched off for this process -> why."""
+    """Kernel families switched off for this process ("family on <arch (build)>") -> why."""
     with _lock:
         return dict(DISABLED)
+
+
+def disabled_at(sites: dict[str, str]) -> dict[str, str]:
+    """family -> why, for the families of ``sites`` (family -> its site here) switched off at that
+    site, and families switched off everywhere."""
+    with _lock:
+        return {fam: DISABLED[label] for label, (fam, where) in _DISABLED_AT.items()
+                if where is None or sites.get(fam) == where}
 
 
 def failed_check(call_class: str, why: str) -> None:
@@ -189,6 +203,7 @@ def reset() -> None:
         FALLBACKS.clear()
         PLANS.clear()
         DISABLED.clear()
+        _DISABLED_AT.clear()
         FAILED_CHECKS.clear()
         _SECTION_FALLBACKS.clear()
         _logged.clear()

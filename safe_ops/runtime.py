@@ -37,10 +37,26 @@ class Runtime:
     ck_version: str | None = None           # installed comfy-kitchen distribution
     ck_family: str | None = None            # envelope family of its int8_attention here
     ck_error: str | None = None             # why comfy-kitchen attention is unusable, if it is
+    sage_file: str | None = None            # the loaded sageattention build (its extension's file)
+    ck_file: str | None = None              # the loaded comfy-kitchen build (its extension's file)
 
     @property
     def arch_name(self) -> str:
         return f"sm_{self.arch[0]}{self.arch[1]}" if self.arch else "cpu"
+
+    def kernel_build(self, family: str) -> str:
+        """The build that runs ``family`` here: package version and the file it was loaded from."""
+        kind = family_kind(family)
+        if kind == "sdpa":
+            return f"torch {self.torch_version}"
+        name, version, path = (("sageattention", self.sage_version, self.sage_file) if kind == "sage"
+                               else ("comfy-kitchen", self.ck_version, self.ck_file))
+        return f"{name} {version or 'unknown'}" + (f", {path}" if path else "")
+
+    def kernel_site(self, family: str) -> str:
+        """Where a verdict or a kill switch about ``family`` holds: this GPU arch with this build of
+        the kernel (another arch, or another build, is checked and switched off on its own)."""
+        return f"{self.arch_name} ({self.kernel_build(family)})"
 
     def summary(self) -> str:
         sage = (f"sageattention {self.sage_version} -> {self.sage_family}" if self.sage_family
@@ -100,7 +116,7 @@ def _runtime(idx: int | None) -> Runtime:
             backend = None
     sage_version = _dist_version("sageattention")
     sage_error = None
-    family = None
+    family = sage_file = None
     if sage_version is None:
         sage_error = "package not installed"
     elif arch is None:
@@ -108,6 +124,7 @@ def _runtime(idx: int | None) -> Runtime:
     else:
         try:
             import sageattention  # noqa: F401
+            sage_file = loaded_build_file("sageattention")
             family = sage_family_for(sage_version, arch)
             if family is None:
                 sage_error = f"no known kernel family for sageattention {sage_version} on sm_{arch[0]}{arch[1]}"
@@ -115,8 +132,24 @@ def _runtime(idx: int | None) -> Runtime:
             sage_error = f"import failed: {type(e).__name__}: {e}"
     dyn, cver = _comfy_facts()
     ck_version, ck_family, ck_error = _ck_facts(arch)
+    ck_file = loaded_build_file("comfy_kitchen") if ck_family else None
     return Runtime(torch.__version__, torch.version.cuda, name, arch, sage_version, family,
-                   sage_error, backend, dyn, cver, ck_version, ck_family, ck_error)
+                   sage_error, backend, dyn, cver, ck_version, ck_family, ck_error, sage_file, ck_file)
+
+
+def loaded_build_file(package: str) -> str | None:
+    """The file of an already imported ``package``'s compiled extension (the build that runs; e.g.
+    sage 2.2's ``_fused`` / ``_qattn_sm*`` .so), else the package's own file (sage 1.x is Triton);
+    None when it is not imported. Imports nothing; read once per runtime."""
+    mod = sys.modules.get(package)
+    if mod is None:
+        return None
+    prefix = package + "."
+    for name, sub in list(sys.modules.items()):
+        f = getattr(sub, "__file__", None) if name.startswith(prefix) else None
+        if f and f.endswith((".so", ".pyd")):
+            return f
+    return getattr(mod, "__file__", None)
 
 
 def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str | None]:

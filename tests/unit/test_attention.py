@@ -863,9 +863,10 @@ def test_disabled_families_and_failed_checks_are_in_the_stats():
     q, k, v = h3_like(100)
     att(ComfyFunc(), q, k, v, 4, skip_reshape=True)
     snap = report.snapshot()
-    assert "SM90 kernel is not available" in snap["disabled_families"]["toy_sage"]
+    # each listed with where it holds: the GPU arch and the kernel build (Runtime.kernel_site)
+    assert "SM90 kernel is not available" in snap["disabled_families"][f"toy_sage on {CPU_RT.kernel_site('toy_sage')}"]
     (cls, why), = snap["failed_checks"].items()
-    assert cls.startswith("toy_sage float32 q(1, 4, 128, 16)") and "failed verification" in why
+    assert cls.startswith("toy_sage on cpu float32 q(1, 4, 128, 16)") and "failed verification" in why
     report.reset()
     assert report.snapshot()["disabled_families"] == {} and report.snapshot()["failed_checks"] == {}
 
