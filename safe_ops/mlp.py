@@ -48,6 +48,7 @@ MLP_COUNTERS = (
     "cast_reuses",      # ... and the chunks that got a memoised cast back instead
     "memo_dropped",     # calls whose memo was dropped (a cast buffer reused): cast per chunk
     "own_cast",         # calls with a layer that casts outside comfy.ops (e.g. GGUF): per chunk
+    "cast_faults",      # errors in the cast memo's own code: that cast ran ComfyUI's own, memo dropped
 )
 MLP_STATS = report.Section("mlp", MLP_COUNTERS, "SafeSage MLP: running ComfyUI's unchunked MLP ({reason})")
 

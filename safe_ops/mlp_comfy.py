@@ -11,10 +11,21 @@ order (also when a chunk raised). ComfyUI's uncast is what orders a weight's rel
 compute that read it (``offload_stream.wait_stream(current)``, aimdo's ``vbar_unpin``), so it
 runs after the last chunk has been enqueued.
 
-One guard: a cast that returns memory overlapping a memoised cast (one cast buffer reused for
-the next layer, as classic lowvram does with a single offload stream) means the memoised weight
-is being overwritten. The memo is then dropped for the rest of the call: the deferred uncasts
-run at once and every later cast and uncast is ComfyUI's own again (counted, logged once).
+The guard: a memoised cast is only as good as the memory it lives in. Every cast inside the
+scope (of any layer, not only the watched ones) and every cast buffer ComfyUI hands out inside it
+(``comfy.model_management.get_cast_buffer``, aimdo's ``get_aimdo_cast_buffer``: the buffers a
+cast writes, also the ones it does not return, such as aimdo's transfer destination) is checked
+against the memoised casts' memory. A buffer reused while a memoised cast lives in it (classic
+lowvram's per-stream cast buffers: with two offload streams a third cast lands on fc1's) drops
+the memo before the buffer is written: the deferred uncasts run at once and every later cast and
+uncast is ComfyUI's own again (counted, logged once).
+
+Compile-clean: every wrapper asks ``torch.compiler.is_compiling()`` before anything else and then
+runs ComfyUI's function untouched, so a model compiled in a process where an H3 model was patched
+gets no graph break from the wrappers. Contained: an error in this module's own bookkeeping never
+fails a cast -- that call runs ComfyUI's own cast / uncast and the memo is dropped (counted as
+``cast_faults`` in the MLP's stats, logged once); an error raised by ComfyUI's own cast or
+uncast passes through untouched.
 
 ``comfy`` is imported lazily (inside :func:`install`): safe_ops never imports ComfyUI at module
 import time.
@@ -24,21 +35,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
+
+from . import report
 
 log = logging.getLogger("SafeSage.mlp")
 
 _SCOPE: contextvars.ContextVar["_Scope | None"] = contextvars.ContextVar("safesage_cast_scope", default=None)
 _MARK = "_safesage_cast_memo"
 _REAL: dict = {}        # "cast" / "uncast" -> ComfyUI's own functions, once install() wrapped them
-
-
-def _compiling() -> bool:
-    fn = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    return bool(fn()) if fn is not None else False
 
 
 def _sig(v: Any) -> Any:
@@ -85,8 +94,13 @@ def _ranges(result: Any) -> list[tuple[int, int, Any]]:
     return out
 
 
+def _same_device(a: Any, b: Any) -> bool:
+    """Same device; a device named without an index ("cuda") may be any index of its type."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def _overlap(a: list, b: list) -> bool:
-    return any(da == db and x0 < y1 and y0 < x1 for x0, x1, da in a for y0, y1, db in b)
+    return any(x0 < y1 and y0 < x1 and _same_device(da, db) for x0, x1, da in a for y0, y1, db in b)
 
 
 class _Entry:
@@ -98,8 +112,31 @@ class _Entry:
         self.ranges = ranges
 
 
+def _buffer_ranges(buf: Any, device: Any) -> list[tuple[int, int, Any]]:
+    """The memory a cast buffer handed out by ComfyUI spans: a tensor (``get_cast_buffer``), or
+    aimdo's ``VRAMBuffer`` (``get_aimdo_cast_buffer``: its whole reservation, every cast starts
+    writing at its offset 0). A buffer whose address cannot be read spans the whole device:
+    every memoised cast on it is assumed overwritten."""
+    if buf is None:
+        return []
+    if isinstance(buf, torch.Tensor):
+        return _ranges(buf)
+    base, size = getattr(buf, "base_addr", None), getattr(buf, "max_size", None)
+    dev = device if isinstance(device, torch.device) else torch.device("cuda", getattr(buf, "device", 0))
+    if isinstance(base, int) and isinstance(size, int):
+        return [(base, base + size, dev)]
+    return [(0, 2 ** 64, dev)]
+
+
 class _Scope:
-    """One chunked MLP call: the memoised casts of the watched layers."""
+    """One chunked MLP call: the memoised casts of the watched layers.
+
+    Every cast inside the scope (of any module) and every cast buffer ComfyUI hands out inside
+    it is checked against the memoised casts' memory: a buffer about to be written over one of
+    them drops the memo *before* the write (ComfyUI's deferred uncasts run first, so the
+    buffer's reuse is ordered after the compute that read it, as ComfyUI orders it), a cast
+    result that overlaps one drops it after. A fault in this bookkeeping never fails a cast:
+    that call runs ComfyUI's own cast / uncast, the memo is dropped (counted, logged once)."""
 
     def __init__(self, watch: Iterable[torch.nn.Module], stats, uncast):
         self.watch = {id(m) for m in watch}
@@ -110,32 +147,99 @@ class _Scope:
         self.dropped = False
         self.active = uncast is not None     # install() has wrapped ComfyUI's cast and uncast
 
+    # ------------------------------------------------------------------ the wrappers' calls
     def cast(self, real, s, args, kwargs):
-        if id(s) not in self.watch:
+        if self.dropped:                       # ComfyUI's cast, only noted
+            try:
+                self._note(s)
+            except Exception as e:  # noqa: BLE001
+                self.fault(e)
             return real(s, *args, **kwargs)
-        self.seen.add(id(s))
-        key = (id(s), tuple(_sig(a) for a in args), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())))
-        hit = None if self.dropped else self.memo.get(key)
+        try:
+            key, hit = self._lookup(s, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - SafeSage's bookkeeping, never the prompt's
+            self.fault(e)
+            return real(s, *args, **kwargs)
         if hit is not None:
-            self.stats.bump("cast_reuses")
             return hit.result
-        result = real(s, *args, **kwargs)
-        self.stats.bump("casts")
-        if self.dropped:
+        result = real(s, *args, **kwargs)      # ComfyUI's cast: its exceptions pass through
+        try:
+            why = self._record(s, key, result)
+        except Exception as e:  # noqa: BLE001
+            self.fault(e)
             return result
-        ranges = _ranges(result)
-        if any(_overlap(ranges, e.ranges) for e in self.memo.values()):
-            self.drop(f"{type(s).__name__} was cast into memory that holds an earlier layer's cast "
-                      "(one cast buffer reused)")
-            return result
-        self.memo[key] = _Entry(s, result, ranges)
+        if why is not None:
+            self.drop(why)                     # ComfyUI's uncasts: their exceptions pass through
         return result
 
     def defers(self, s, weight) -> bool:
         """True when this uncast belongs to a memoised cast: it runs when the scope closes."""
         if self.dropped:
             return False
+        try:
+            return self._defers(s, weight)
+        except Exception as e:  # noqa: BLE001
+            released = self.fault(e)
+            # the memoised cast of this weight was just given back: not a second time
+            return any(len(x.result) > 2 and x.result[0] is weight for x in released)
+
+    def handout(self, buf: Any, device: Any) -> None:
+        """ComfyUI handed out a cast buffer that a cast is about to write."""
+        if self.dropped or not self.memo:
+            return
+        try:
+            hit = any(_overlap(_buffer_ranges(buf, device), e.ranges) for e in self.memo.values())
+        except Exception as e:  # noqa: BLE001
+            self.fault(e)
+            return
+        if hit:
+            self.drop("a cast buffer handed out inside the MLP call holds an earlier layer's memoised cast")
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _lookup(self, s, args, kwargs):
+        if id(s) not in self.watch:
+            return None, None
+        self.seen.add(id(s))
+        key = (id(s), tuple(_sig(a) for a in args), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())))
+        hit = self.memo.get(key)
+        if hit is not None:
+            self.stats.bump("cast_reuses")
+        return key, hit
+
+    def _note(self, s) -> None:
+        if id(s) in self.watch:
+            self.seen.add(id(s))
+            self.stats.bump("casts")
+
+    def _record(self, s, key, result) -> str | None:
+        """Memoise a watched layer's cast; why the memo must be dropped, or None."""
+        if key is not None:
+            self.stats.bump("casts")
+        if self.dropped:                       # dropped while ComfyUI cast (a buffer handed out)
+            return None
+        ranges = _ranges(result)
+        if any(_overlap(ranges, e.ranges) for e in self.memo.values()):
+            return (f"{type(s).__name__} was cast into memory that holds an earlier layer's cast "
+                    "(one cast buffer reused)")
+        if key is not None:
+            self.memo[key] = _Entry(s, result, ranges)      # last: a fault before leaves no entry
+        return None
+
+    def _defers(self, s, weight) -> bool:
         return any(e.module is s and len(e.result) > 2 and e.result[0] is weight for e in self.memo.values())
+
+    def fault(self, e: BaseException) -> list:
+        """An error in this module's own code: count, log once, drop the memo (its deferred
+        uncasts run now). Returns the entries given back."""
+        try:
+            self.stats.bump("cast_faults")
+            if report.once(("mlp-cast-fault", type(e).__name__, str(e)[:120]), logging.DEBUG, "cast fault"):
+                log.error("SafeSage MLP: internal error in the cast memo (please report it, with this "
+                          "traceback); this MLP call casts as ComfyUI does", exc_info=e)
+        except Exception:  # noqa: BLE001 - the count is best effort, the fallback is not
+            pass
+        self.dropped = True
+        return self.release()
 
     def drop(self, why: str) -> None:
         self.stats.bump("memo_dropped")
@@ -143,9 +247,9 @@ class _Scope:
         self.dropped = True
         self.release()
 
-    def release(self) -> None:
+    def release(self) -> list:
         """ComfyUI's real uncast of every memoised cast, in cast order; every one runs even if
-        one raises (the first error is raised after the others ran)."""
+        one raises (the first error is raised after the others ran). Returns the entries."""
         entries, self.memo = list(self.memo.values()), {}
         err = None
         for e in entries:
@@ -157,40 +261,92 @@ class _Scope:
                 err = err or ex
         if err is not None:
             raise err
+        return entries
+
+
+if getattr(getattr(torch, "compiler", None), "is_compiling", None) is not None:
+    def _compiling() -> bool:
+        """``torch.compiler.is_compiling()``, looked up per call (dynamo reads it as a constant)."""
+        return torch.compiler.is_compiling()
+else:  # pragma: no cover - a torch without torch.compiler
+    def _compiling() -> bool:
+        return False
+
+
+def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
+    """Replace ``owner.name`` by ``make(real)`` unless it is already ours; False when absent."""
+    real = getattr(owner, name, None)
+    if real is None:
+        return False
+    if getattr(real, _MARK, False):
+        return True
+    fn = make(real)
+    fn.__wrapped__ = real
+    fn.__doc__ = real.__doc__
+    setattr(fn, _MARK, True)
+    setattr(owner, name, fn)
+    return True
 
 
 def install() -> bool:
-    """Wrap ``comfy.ops.cast_bias_weight`` / ``uncast_bias_weight`` once (idempotent). False when
-    this ComfyUI has no such functions (then chunks cast as ComfyUI does, once per chunk)."""
-    import comfy.ops as ops  # lazy: only when a model is patched inside ComfyUI
-    cast = getattr(ops, "cast_bias_weight", None)
-    uncast = getattr(ops, "uncast_bias_weight", None)
-    if cast is None or uncast is None:
+    """Wrap ``comfy.ops.cast_bias_weight`` / ``uncast_bias_weight`` once (idempotent), and
+    observe the cast buffers ComfyUI hands out (``comfy.model_management.get_cast_buffer`` /
+    ``get_aimdo_cast_buffer``, where this ComfyUI has them). False when this ComfyUI has no
+    cast / uncast functions (then chunks cast as ComfyUI does, once per chunk).
+
+    Every wrapper asks ``torch.compiler.is_compiling()`` first and then runs ComfyUI's own
+    function untouched: nothing a traced region runs reads a ContextVar, a lock or a cache."""
+    import comfy.model_management as mm  # lazy: only when a model is patched inside ComfyUI
+    import comfy.ops as ops
+    if getattr(ops, "cast_bias_weight", None) is None or getattr(ops, "uncast_bias_weight", None) is None:
         return False
-    if getattr(cast, _MARK, False) and getattr(uncast, _MARK, False):
-        return True
-    real_cast, real_uncast = cast, uncast
-    _REAL.update(cast=real_cast, uncast=real_uncast)
 
-    def cast_bias_weight(s, *args, **kwargs):
-        scope = _SCOPE.get()
-        if scope is None or _compiling():
-            return real_cast(s, *args, **kwargs)
-        return scope.cast(real_cast, s, args, kwargs)
+    def make_cast(real_cast):
+        _REAL["cast"] = real_cast
 
-    def uncast_bias_weight(s, weight, bias, offload_stream, *args, **kwargs):
-        scope = _SCOPE.get()
-        if scope is not None and not _compiling() and scope.defers(s, weight):
-            return None
-        return real_uncast(s, weight, bias, offload_stream, *args, **kwargs)
+        def cast_bias_weight(s, *args, **kwargs):
+            if _compiling():
+                return real_cast(s, *args, **kwargs)
+            scope = _SCOPE.get()
+            if scope is None:
+                return real_cast(s, *args, **kwargs)
+            return scope.cast(real_cast, s, args, kwargs)
+        return cast_bias_weight
 
-    for fn, real in ((cast_bias_weight, real_cast), (uncast_bias_weight, real_uncast)):
-        fn.__wrapped__ = real
-        fn.__doc__ = real.__doc__
-        setattr(fn, _MARK, True)
-    ops.cast_bias_weight = cast_bias_weight
-    ops.uncast_bias_weight = uncast_bias_weight
+    def make_uncast(real_uncast):
+        _REAL["uncast"] = real_uncast
+
+        def uncast_bias_weight(s, weight, bias, offload_stream, *args, **kwargs):
+            if _compiling():
+                return real_uncast(s, weight, bias, offload_stream, *args, **kwargs)
+            scope = _SCOPE.get()
+            if scope is not None and scope.defers(s, weight):
+                return None
+            return real_uncast(s, weight, bias, offload_stream, *args, **kwargs)
+        return uncast_bias_weight
+
+    def make_buffer(real_get, device_at):
+        def get_buffer(*args, **kwargs):
+            if _compiling():
+                return real_get(*args, **kwargs)
+            buf = real_get(*args, **kwargs)
+            scope = _SCOPE.get()
+            if scope is not None:
+                scope.handout(buf, args[device_at] if len(args) > device_at else kwargs.get("device"))
+            return buf
+        return get_buffer
+
+    _wrap(ops, "cast_bias_weight", make_cast)
+    _wrap(ops, "uncast_bias_weight", make_uncast)
+    _wrap(mm, "get_cast_buffer", lambda real: make_buffer(real, 1))        # (offload_stream, device, size, ref)
+    _wrap(mm, "get_aimdo_cast_buffer", lambda real: make_buffer(real, 1))  # (offload_stream, device)
     return True
+
+
+def installed() -> bool:
+    """Whether ComfyUI's cast functions carry SafeSage's wrappers in this process."""
+    ops = sys.modules.get("comfy.ops")
+    return any(getattr(getattr(ops, n, None), _MARK, False) for n in ("cast_bias_weight", "uncast_bias_weight"))
 
 
 @contextlib.contextmanager
