@@ -15,7 +15,8 @@ except that an unguarded sage / comfy-kitchen function is replaced by ComfyUI's 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -34,6 +35,8 @@ from .runtime import Runtime, auto_order, comfy_attention_choice, family_kind, p
 
 log = logging.getLogger("SafeSage")
 
+RUNS_KEPT = 4      # per call signature: the plans of this many sampling runs (threads) at once
+
 
 @dataclass
 class _Prepared:
@@ -46,7 +49,7 @@ class _Prepared:
     by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
     class_keys: dict                  # kernel family -> verifier class key of this call
     tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
-    run: tuple | None = None          # under ComfyUI's compiler: (run id, plan) kept for the run
+    run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
     previous_viol: list | None = None  # the chained override's kernel's violations by this call
 
 class SafeAttention:
@@ -86,6 +89,7 @@ class SafeAttention:
         self._prepared: dict[tuple, _Prepared] = {}
         self._comfy_fns: dict[int, tuple] = {}      # id(func) -> (func, what runs in its place)
         self._guards: dict = {}                      # cuda device index -> the SafeAttention for its arch
+        self._cache_lock = threading.Lock()          # held while a trimmed cache changes (_remember)
         self._budget_reader = BudgetReader()
         self.executor = Executor(self.kernels, policy.debug_sync)
 
@@ -148,11 +152,10 @@ class SafeAttention:
         if self.policy.max_extra_bytes is not None or not p.envelopes:
             return p.plan
         if compiler.enabled(device):
-            run = compiler.run_id()
-            if p.run is not None and p.run[0] == run:
-                return p.run[1]
-            plan = self._by_budget(p, device)
-            p.run = (run, plan)
+            run = compiler.run_id()          # the calling thread's run: another thread's keeps its plan
+            plan = p.run.get(run)
+            if plan is None:
+                plan = self._remember(p.run, run, self._by_budget(p, device), RUNS_KEPT)
             return plan
         return self._by_budget(p, device)
 
@@ -213,9 +216,16 @@ class SafeAttention:
         """ComfyUI's ``func``, or ComfyUI's attention_pytorch when ``func`` is unguarded sage/kitchen."""
         hit = self._comfy_fns.get(id(func))
         if hit is None or hit[0] is not func:
-            hit = self._comfy_fns[id(func)] = (func, comfy_function(func))
-            report.trim(self._comfy_fns)         # a pack may hand a new function per call
+            hit = self._remember(self._comfy_fns, id(func), (func, comfy_function(func)))  # bounded
         return hit[1]
+
+    def _remember(self, cache: dict, key: Any, value: Any, keep: int | None = None) -> Any:
+        """``cache[key] = value``, trimmed to the store's bound, under the cache lock (another
+        thread may be inserting: a trim iterates the dict)."""
+        with self._cache_lock:
+            cache[key] = value
+            report.trim(cache, keep)
+        return value
 
     def _run_comfy(self, func: Callable, args: tuple, kwargs: dict, n: Normalised | None) -> Any:
         """A call no guarded kernel takes: the chained override, else what ComfyUI would run."""
@@ -271,8 +281,7 @@ class SafeAttention:
                n.caller_layout, n.mask is None, id(func), n.low_precision_ok)
         p = self._prepared.get(key)
         if p is None:
-            p = self._prepared[key] = self._prepare(n, func)
-            report.trim(self._prepared)          # the newest signatures (the store's bound)
+            p = self._remember(self._prepared, key, self._prepare(n, func))   # the newest signatures
         n.prepared = p
         plan = self._within_budget(p, q.device)
         report.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
@@ -393,7 +402,8 @@ class SafeAttention:
         elif scope == "class":
             report.failed_check(f"{fam} on {self.rt.arch_name} {p.shape_key}", why)
         if scope == "call":
-            p.run = None                 # under the compiler: choose again at the next call
+            with self._cache_lock:       # under the compiler: this run chooses again at the next call
+                p.run.pop(compiler.run_id(), None)
             report.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")
             report.once(("kernel-call", fam, p.shape_key, why[:80]), logging.WARNING,
                         "SafeSage: %s for %s; this call is recomputed with ComfyUI's own attention.", why,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 
 import torch
@@ -69,6 +70,7 @@ class BudgetReader:
 
     def __init__(self):
         self._cache: dict = {}        # device index -> (time read, budget)
+        self._lock = threading.Lock()  # held while _cache changes
 
     def __call__(self, device: torch.device) -> int | None:
         if device.type != "cuda":
@@ -78,7 +80,8 @@ class BudgetReader:
         if hit is not None and now - hit[0] < BUDGET_POLL_S:
             return hit[1]
         budget = plan_budget_bytes(free_device_bytes(device))
-        self._cache[device.index] = (now, budget)
+        with self._lock:
+            self._cache[device.index] = (now, budget)
         return budget
 
 

@@ -9,6 +9,12 @@ the first call of the run: :func:`run_id` changes when a run ends, patch.py's OU
 wrapper), and allocates what only some steps make (the first-call check) under
 :func:`paused`, which ComfyUI's own persistent buffers use too.
 
+The run id is the calling thread's: ComfyUI samples one prompt at a time, on its prompt worker
+thread, but a second thread sampling a second prompt keeps its own run -- thread A's run ending
+(OUTER_SAMPLE) never makes thread B choose again mid-run. Ids are unique across threads (one
+counter, under a lock), so caches keyed by run id (mlp.py's chunk sizes, attention's per-run
+plans) never mix two threads' runs. Reading it is one thread-local attribute (the hot path).
+
 Both are ComfyUI's own functions (``comfy.model_prefetch.malloc_graph_enabled`` /
 ``pause_malloc_graph``), looked up at call time; on a ComfyUI without them the compiler is off
 and :func:`paused` does nothing -- the pack behaves as before.
@@ -16,11 +22,13 @@ and :func:`paused` does nothing -- the pack behaves as before.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sys
 import threading
 
-_RUN = [0]
 _lock = threading.Lock()
+_ids = itertools.count(1)           # run ids, unique across threads (taken under _lock)
+_local = threading.local()          # .run: the calling thread's current run id
 
 
 def _prefetch():
@@ -46,11 +54,22 @@ def paused():
 
 
 def run_id() -> int:
-    """The current sampling run; plans and chunk sizes chosen under the compiler hold within one."""
-    return _RUN[0]
+    """The calling thread's current sampling run; plans and chunk sizes chosen under the compiler
+    hold within one."""
+    rid = getattr(_local, "run", None)
+    if rid is None:
+        rid = _next_run()
+    return rid
 
 
 def new_run() -> None:
-    """A sampling run ended (or memory ran out): the next call chooses again."""
+    """The calling thread's sampling run ended (or memory ran out): its next call chooses again.
+    Other threads' runs are untouched."""
+    _next_run()
+
+
+def _next_run() -> int:
     with _lock:
-        _RUN[0] += 1
+        rid = next(_ids)
+    _local.run = rid
+    return rid

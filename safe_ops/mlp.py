@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -140,6 +141,7 @@ def row_dependent_reason(linear: Any) -> str | None:
 
 
 _RUN_CHUNKS: dict = {}      # (run id, call signature) -> tokens per chunk, under ComfyUI's compiler
+_RUN_CHUNKS_LOCK = threading.Lock()     # held while _RUN_CHUNKS changes (its trim iterates it)
 
 
 def chunk_for_call(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
@@ -152,8 +154,10 @@ def chunk_for_call(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: tor
     key = (compiler.run_id(), S, hidden, ffn, dtype, device)
     c = _RUN_CHUNKS.get(key)
     if c is None:
-        c = _RUN_CHUNKS[key] = resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
-        report.trim(_RUN_CHUNKS)       # the store's bound; the oldest (earlier runs') go first
+        c = resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
+        with _RUN_CHUNKS_LOCK:
+            c = _RUN_CHUNKS.setdefault(key, c)     # another thread's choice for this run, if first
+            report.trim(_RUN_CHUNKS)       # the store's bound; the oldest (earlier runs') go first
     return c
 
 

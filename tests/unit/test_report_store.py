@@ -1,7 +1,7 @@
 """report.py is SafeSage's one store of run statistics: every component's counters (the MLP's as a
 Section), locked against the server thread's snapshot(), and every per-shape cache bounded."""
+import inspect
 import logging
-import threading
 
 import pytest
 import torch
@@ -11,6 +11,8 @@ from safe_ops.attention import SafeAttention
 from safe_ops.policy import Policy
 from safe_ops.probe import Verdict, Verifier
 from safe_ops.runtime import Runtime
+
+from lockcheck import CountingLock, Ledger, guard
 
 CPU_RT = Runtime("test", None, None, None, None, None, "test", None, None, None)
 
@@ -51,36 +53,57 @@ def test_a_section_refuses_an_undeclared_counter():
         mlp.MLP_STATS.bump("chunk")          # a typo must not become a silent new counter
 
 
-def test_snapshot_is_consistent_while_writers_run():
-    """The server thread reads snapshot() while the sampler counts; no lost update, no
-    'dictionary changed size during iteration'."""
-    n, errors, stop = 20_000, [], threading.Event()
+#: the store's containers: every change to one must hold report._lock
+CONTAINERS = ("STATS", "FALLBACKS", "PLANS", "DISABLED", "FAILED_CHECKS", "_SECTION_FALLBACKS", "_logged",
+              "_extra", "_SECTIONS")
+#: public functions / Section methods that only read (or, trim, bound a cache the caller locks)
+READERS = {"snapshot", "disabled_families", "trim"}
+SECTION_READERS = {"get", "as_dict"}
 
-    def writer(i):
-        for j in range(n):
-            report.count("attention_calls")
-            if j % 100 == 0:
-                report.remember_plan(f"shape {i} {j}", "plan")   # grows the per-shape dicts
 
-    def reader():
-        while not stop.is_set():
-            try:
-                report.snapshot()
-            except Exception as e:          # noqa: BLE001 -- any failure is the finding
-                errors.append(e)
-                return
-
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
-    r = threading.Thread(target=reader)
-    r.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    stop.set()
-    r.join()
-    assert not errors
-    assert report.snapshot()["attention_calls"] == 2 * n
+def test_every_mutation_of_the_store_holds_its_lock(monkeypatch):
+    """The server thread's snapshot() iterates the store while the sampler writes it: every
+    writer must hold report._lock. A counting stand-in for the lock and containers that record
+    whether it was held at each change: a writer without the lock fails here whatever the GIL
+    does. Every public function of the store is either called here or declared a reader."""
+    lock = CountingLock()
+    ledger = Ledger()
+    monkeypatch.setattr(report, "_lock", lock)
+    for name in CONTAINERS:
+        monkeypatch.setattr(report, name, guard(getattr(report, name), lock, ledger, name))
+    sec = report.Section("locktest", ("a",))
+    writers = {
+        "count": lambda: report.count("attention_calls"),
+        "disabled": lambda: report.disabled("fam", "why"),
+        "failed_check": lambda: report.failed_check("fam shape", "why"),
+        "fallback": lambda: report.fallback("a reason", "key"),
+        "once": lambda: report.once(("k",), logging.DEBUG, "m"),
+        "remember_plan": lambda: report.remember_plan("shape", "plan"),
+        "set_info": lambda: report.set_info("info", 1),
+        "reset": report.reset,
+    }
+    section_writers = {
+        "bump": lambda: sec.bump("a"),
+        "fallback": lambda: sec.fallback("why"),
+        "once_warning": lambda: sec.once_warning("msg"),
+        "reset": sec.reset,
+    }
+    acquired = {}
+    for name, fn in [*writers.items(), *(("Section." + n, f) for n, f in section_writers.items()),
+                     ("Section()", lambda: report.Section("locktest2", ("b",)))]:
+        before, changes = lock.acquisitions, len(ledger.events)
+        if name == "reset":
+            report.count("x")
+        fn()
+        acquired[name] = lock.acquisitions - before
+        assert len(ledger.events) > changes, f"{name} changed none of the store's containers"
+    assert ledger.unlocked == [], f"changed without report._lock: {ledger.unlocked}"
+    assert all(acquired.values()), acquired
+    public = {n for n, f in vars(report).items() if inspect.isfunction(f) and not n.startswith("_")
+              and f.__module__ == report.__name__}
+    assert public - READERS == set(writers), "a new public function of the store: add it here"
+    methods = {n for n, f in vars(report.Section).items() if inspect.isfunction(f) and not n.startswith("_")}
+    assert methods - SECTION_READERS == set(section_writers), "a new Section method: add it here"
 
 
 def test_log_once_keys_are_bounded(monkeypatch):
