@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from . import compiler, report
+from .attention_context import INSIDE, ContextCalls, special_context, unwrap_attn
 from .budget import BudgetReader
 from .comfy_call import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
                          unguarded_kind)
@@ -52,7 +53,7 @@ class _Prepared:
     run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
     previous_viol: list | None = None  # the chained override's kernel's violations by this call
 
-class SafeAttention:
+class SafeAttention(ContextCalls):
     """Callable installed as ``transformer_options["optimized_attention_override"]``.
 
     ``previous``: an override that was already on the model (another pack's, core's
@@ -92,6 +93,7 @@ class SafeAttention:
         self._cache_lock = threading.Lock()          # held while a trimmed cache changes (_remember)
         self._budget_reader = BudgetReader()
         self.executor = Executor(self.kernels, policy.debug_sync)
+        self._init_context()
 
     @property
     def broken(self) -> dict[str, str]:
@@ -175,6 +177,10 @@ class SafeAttention:
 
     # --------------------------------------------------------------- calling
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
+        # torch.compile, CUDA-graph capture, inside another SafeSage: attention_context.py
+        func = unwrap_attn(func)
+        if special_context(kwargs):
+            return self._special_call(func, args, kwargs)
         report.count("attention_calls")
         if self.layer_functions:
             func = self._layer_function(kwargs, func)
@@ -230,7 +236,11 @@ class SafeAttention:
     def _run_comfy(self, func: Callable, args: tuple, kwargs: dict, n: Normalised | None) -> Any:
         """A call no guarded kernel takes: the chained override, else what ComfyUI would run."""
         if self.previous is not None and not self._previous_unsafe(n, func):
-            return self.previous(func, *args, **kwargs)
+            token = INSIDE.set(True)            # a SafeSage below it passes through (attention_context.py)
+            try:
+                return self.previous(func, *args, **kwargs)
+            finally:
+                INSIDE.reset(token)
         return self._what_comfy_runs(func)(*args, **kwargs)
 
     def _previous_unsafe(self, n: Normalised | None, func: Callable) -> bool:
@@ -277,8 +287,7 @@ class SafeAttention:
             report.fallback(f"a call on {q.device}, another kind of GPU than the one the kernels handed to "
                             f"SafeSage are for ({self.rt.arch_name}): ComfyUI's own attention")
             return None
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-               n.caller_layout, n.mask is None, id(func), n.low_precision_ok)
+        key = self._call_key(n, func)
         p = self._prepared.get(key)
         if p is None:
             p = self._remember(self._prepared, key, self._prepare(n, func))   # the newest signatures
@@ -310,6 +319,13 @@ class SafeAttention:
         if self.verifier.needs_probe(ck):
             out = self._verify(p, plan, ck, n, out)
         return out
+
+    @staticmethod
+    def _call_key(n: Normalised, func: Callable | None) -> tuple:
+        """A call signature (the key of the plan prepared for it)."""
+        q, k, v = n.q, n.k, n.v
+        return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+                n.caller_layout, n.mask is None, id(func), n.low_precision_ok)
 
     def _guard_for(self, device: torch.device) -> "SafeAttention | None":
         """Who guards calls on ``device``: this SafeAttention on the GPU it was made on (whose facts

@@ -93,6 +93,14 @@ class Executor:
                     f"for q{tuple(q.shape)} k{tuple(k.shape)}: {e}") from e
         return out
 
+    def run_captured(self, plan: Plan, n: Normalised) -> torch.Tensor:
+        """Execute ``plan`` during CUDA-graph capture: on the caller's stream only (the caller
+        chose a family that launches there), no stream hop, no debug sync."""
+        kern = self.kernels[plan.kernel]
+        if kern.envelope.launches_on_legacy_stream and n.q.device.type == "cuda":
+            raise RuntimeError(f"{plan.kernel} launches on the legacy stream: not under capture")
+        return self._launch_all(plan, kern, n)
+
     def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised) -> torch.Tensor:
         q, k, v = n.q, n.k, n.v
         B, H, Sq, D = q.shape
