@@ -122,7 +122,8 @@ def target_key(att_key: int, func: Callable) -> int:
 
 def read_call(args: tuple, kwargs: dict) -> tuple | None:
     """The op's arguments for a call a guarded kernel may take (dynamo traces this: no caches, no
-    exceptions), or None: a masked or full-precision call, or one of another form."""
+    exceptions), or None: a masked or full-precision call, one that needs a gradient (the guarded
+    kernels have no backward), or one of another form."""
     na = len(args)
     get = kwargs.get
     q = args[0] if na > 0 else get("q")
@@ -142,7 +143,8 @@ def read_call(args: tuple, kwargs: dict) -> tuple | None:
             or type(heads) is not int or heads < 1 or not isinstance(skip_reshape, bool)
             or not isinstance(skip_out, bool) or not (prec is None or isinstance(prec, torch.dtype))
             or not (scale is None or type(scale) in (float, int)) or not (bi is None or type(bi) is int)
-            or q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or q.device != v.device):
+            or q.dtype != k.dtype or q.dtype != v.dtype or q.device != k.device or q.device != v.device
+            or q.requires_grad or k.requires_grad or v.requires_grad):     # the op has no backward
         return None
     if skip_reshape:
         if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[1] != heads
