@@ -1,0 +1,109 @@
+"""SafeSage's override during CUDA-graph capture (CPU, ``torch.cuda.is_current_stream_capturing``
+monkeypatched): no stream hop built, no probe, no budget read -- a call whose signature was
+planned (and its class verified) eagerly before runs that plan on the same stream; a call
+whose plan needs a hop (a family that launches on the legacy stream) or a probe (a class not
+verified yet) runs ComfyUI's function. Counted. (The real capture and replay: tests/gpu/test_gpu_capture.py.)
+"""
+import dataclasses
+
+import pytest
+import torch
+
+import safe_ops.attention as A
+import safe_ops.executor as E
+from safe_ops import report
+from safe_ops.attention import SafeAttention
+from safe_ops.kernels import Kernel
+from safe_ops.policy import Policy
+
+from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope
+
+
+@pytest.fixture
+def capture(monkeypatch):
+    """state["on"]: capturing; probes and budget reads counted, in all and during capture (counted,
+    not asserted inside: SafeSage contains an error raised in its planning as an internal error)."""
+    state = {"on": False, "probes": 0, "budget_reads": 0, "probes_in_capture": 0, "budget_reads_in_capture": 0}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["on"])
+    real_compare = A.compare
+
+    def compare(*a, **k):
+        state["probes"] += 1
+        state["probes_in_capture"] += state["on"]
+        return real_compare(*a, **k)
+
+    def no_hop(*a, **k):
+        raise AssertionError("a StreamHop was built")
+
+    monkeypatch.setattr(A, "compare", compare)
+    monkeypatch.setattr(E, "StreamHop", no_hop)
+    report.reset()
+    return state
+
+
+def _att(state, legacy_stream=False):
+    env = dataclasses.replace(toy_envelope(), launches_on_legacy_stream=legacy_stream)
+    kern = EnvelopeAssertingKernel(env)
+    att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(env, kern, 0.05)], rt=CPU_RT)
+
+    def budget(device):
+        state["budget_reads"] += 1
+        state["budget_reads_in_capture"] += state["on"]
+        return None
+
+    att._budget_reader = budget
+    return att, kern
+
+
+def test_capture_runs_the_plan_verified_earlier(capture):
+    att, kern = _att(capture)
+    comfy = ComfyFunc()
+    q, k, v = h3_like(100)
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)      # eager: plan + verify
+    assert capture["probes"] == 1 and len(kern.launches) == 1 and capture["budget_reads"] > 0
+    capture["on"] = True
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(kern.launches) == 2 and not comfy.calls and report.STATS["internal_errors"] == 0
+    assert capture["probes_in_capture"] == 0 and capture["budget_reads_in_capture"] == 0
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert report.STATS["captured_calls"] == 1 and report.STATS["captured_guarded"] == 1
+
+
+def test_capture_a_call_that_needs_a_probe_runs_comfys_function(capture):
+    att, kern = _att(capture)
+    comfy = ComfyFunc()
+    capture["on"] = True                         # never seen eagerly: its class is not verified
+    q, k, v = h3_like(100)
+    out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert not kern.launches and len(comfy.calls) == 1
+    assert capture["probes"] == 0 and capture["budget_reads"] == 0 and capture["probes_in_capture"] == 0
+    assert report.STATS["captured_calls"] == 1 and report.STATS["captured_guarded"] == 0
+
+
+def test_capture_a_plan_that_needs_a_stream_hop_runs_comfys_function(capture):
+    att, kern = _att(capture, legacy_stream=True)
+    comfy = ComfyFunc()
+    q, k, v = h3_like(100)
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)      # eager (CPU: no hop)
+    assert len(kern.launches) == 1
+    reads = capture["budget_reads"]
+    capture["on"] = True
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(kern.launches) == 1 and len(comfy.calls) == 1
+    assert capture["budget_reads"] == reads and capture["budget_reads_in_capture"] == 0
+
+
+def test_capture_goes_to_comfy_for_a_chained_unguarded_sage(capture):
+    """Under capture the chained override runs only when it runs no unguarded sage kernel."""
+    ran = []
+
+    def sageattn_patch(func, *a, **k):
+        ran.append(1)
+        return func(*a, **k)
+
+    att = SafeAttention(Policy(kernel="sdpa", verify="off"), kernels=[], rt=CPU_RT, previous=sageattn_patch)
+    comfy = ComfyFunc()
+    capture["on"] = True
+    att(comfy, *h3_like(50), 4, skip_reshape=True)
+    assert not ran and len(comfy.calls) == 1
