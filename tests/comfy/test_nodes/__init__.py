@@ -5,6 +5,13 @@ SafeSageTestAttentionOverride puts an attention override on a model the way anot
 core's ModelAttentionBackend, where a tree lacks it) does: ``override(func, *a, **k)`` running
 ComfyUI's own attention_pytorch.
 
+SafeSageTestChainingOverride is a stand-in for core's BlockSparseAttention
+(comfy_extras/nodes_sparse_attention.py, newer than the trees the CI runs): its override chains
+the override that was on the model (``previous``; else ComfyUI's ``func``) for every call it
+declines -- here every call, as core's does below min_tokens -- and it puts itself back on top
+of whatever override is on the model at each step (ON_PREPARE_STATE), so a node applied after
+it cannot replace it.
+
 SafeSageTestSaveLatent writes every tensor of a LATENT (plain or nested, e.g. MiniMax H3's
 audio-video latent, which core SaveLatent cannot save) to
 <output>/safesage_test/<name>.safetensors as t0, t1, ... and reports the file in its UI output.
@@ -58,5 +65,49 @@ class SafeSageTestAttentionOverride:
         return (m,)
 
 
+def _install_chaining_override(installed, name, transformer_options):
+    """core's install_override: on top of the current override, idempotent once on top."""
+    current = transformer_options.get("optimized_attention_override")
+    if current in installed:
+        return
+    previous = current
+
+    def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+                 skip_output_reshape=False, **kwargs):
+        args = (q, k, v, heads)
+        kw = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                  skip_output_reshape=skip_output_reshape, **kwargs)
+        return func(*args, **kw) if previous is None else previous(func, *args, **kw)
+
+    installed.add(override)
+    transformer_options["optimized_attention_override"] = override
+
+
+class SafeSageTestChainingOverride:
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "name": ("STRING", {"default": "chaining"})}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "_for_testing/safesage"
+
+    def patch(self, model, name):
+        installed = set()
+        m = model.clone()
+        _install_chaining_override(installed, name, m.model_options.setdefault("transformer_options", {}))
+        try:
+            from comfy.patcher_extension import CallbacksMP
+            on_prepare = getattr(CallbacksMP, "ON_PREPARE_STATE", None)
+        except Exception:
+            on_prepare = None
+        if on_prepare is not None and hasattr(m, "add_callback_with_key"):
+            m.add_callback_with_key(on_prepare, "safesage_test_chaining_" + name,
+                                    lambda mp, timestep, model_options: _install_chaining_override(
+                                        installed, name, model_options["transformer_options"]))
+        return (m,)
+
+
 NODE_CLASS_MAPPINGS = {"SafeSageTestSaveLatent": SafeSageTestSaveLatent,
-                       "SafeSageTestAttentionOverride": SafeSageTestAttentionOverride}
+                       "SafeSageTestAttentionOverride": SafeSageTestAttentionOverride,
+                       "SafeSageTestChainingOverride": SafeSageTestChainingOverride}
