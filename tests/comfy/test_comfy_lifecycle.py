@@ -62,9 +62,11 @@ def test_lora_after_safesage(comfy, tiny_sd2, tiny_lora, seed_counter):
 
 
 def test_torch_compile_after_safesage(comfy, tiny_sd2, seed_counter):
-    """TorchCompileModel (inductor) after SafeSage: the prompt completes, the latent stays within
-    what compiling ComfyUI's own graph moves it, and SafeSage still sees every attention call
-    (dynamo runs the override, which it cannot capture whole, eagerly between graph pieces)."""
+    """TorchCompileModel (inductor) after SafeSage: the prompt completes and the latent is that of
+    compiling ComfyUI's own graph. No guarded kernel here, so under torch.compile SafeSage hands
+    every call to ComfyUI's function inside the traced graph (issue 26 point 1: no graph break,
+    nothing of SafeSage's eager path -- no counter -- runs in it): ``attention_calls`` does not
+    move, while SafeSage's forward wrapper shows its patched model ran."""
     info = comfy.object_info()
     if "TorchCompileModel" not in info:
         pytest.skip(f"this ComfyUI ({os.environ.get('COMFYUI_PATH')}) has no TorchCompileModel node")
@@ -80,7 +82,9 @@ def test_torch_compile_after_safesage(comfy, tiny_sd2, seed_counter):
     # compiling alone moves the latent by inductor's fusions; SafeSage under compile must stay as close
     tol = max(10 * max_rel_diff(compiled, plain), 1e-5)
     assert max_rel_diff(both, plain) <= tol, (max_rel_diff(both, plain), tol)
-    assert stats_delta(before, after, "attention_calls") == tiny_sd2["attention_calls_per_forward"]
+    assert torch.equal(both, compiled)
+    assert stats_delta(before, after, "forwards") == 1
+    assert stats_delta(before, after, "attention_calls") == 0
     assert stats_delta(before, after, "fallbacks") == 0
 
 
