@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import opaque_op, report
+from . import compiler, opaque_op, report
 from .comfy_call import UnsupportedCall, comfy_function, normalise
 from .executor import is_cuda_error
 
@@ -153,7 +153,7 @@ class ContextCalls:
         p = self._prepared.get(self._call_key(n, func))
         if p is None:
             return None
-        plan = p.plan if p.run is None else p.run[1]
+        plan = p.run.get(compiler.run_id()) or p.plan     # this run's plan under ComfyUI's compiler
         kern = self.kernels.get(plan.kernel)
         if plan.kind == "sdpa" or kern is None or kern.envelope.launches_on_legacy_stream:
             return None                 # ComfyUI's own, or a kernel that would need a stream hop

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import safe_ops.attention as A
-import safe_ops.executor as E
+import safe_ops.streams as S
 from safe_ops import report
 from safe_ops.attention import SafeAttention
 from safe_ops.kernels import Kernel
@@ -36,7 +36,7 @@ def capture(monkeypatch):
         raise AssertionError("a StreamHop was built")
 
     monkeypatch.setattr(A, "compare", compare)
-    monkeypatch.setattr(E, "StreamHop", no_hop)
+    monkeypatch.setattr(S, "StreamHop", no_hop)
     report.reset()
     return state
 

@@ -57,7 +57,7 @@ def test_a_section_refuses_an_undeclared_counter():
 CONTAINERS = ("STATS", "FALLBACKS", "PLANS", "DISABLED", "FAILED_CHECKS", "_SECTION_FALLBACKS", "_logged",
               "_extra", "_SECTIONS")
 #: public functions / Section methods that only read (or, trim, bound a cache the caller locks)
-READERS = {"snapshot", "disabled_families", "trim"}
+READERS = {"snapshot", "disabled_families", "disabled_at", "trim"}
 SECTION_READERS = {"get", "as_dict"}
 
 
