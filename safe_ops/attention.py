@@ -14,6 +14,7 @@ except that an unguarded sage / comfy-kitchen function is replaced by ComfyUI's 
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -21,8 +22,8 @@ from typing import Any, Callable
 
 import torch
 
-from . import compiler, report
-from .attention_context import INSIDE, ContextCalls, special_context, unwrap_attn
+from . import compiler, contain, report
+from .attention_context import INSIDE, ContextCalls, compiling, special_context, unwrap_attn
 from .budget import BudgetReader
 from .comfy_call import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
                          unguarded_kind)
@@ -176,11 +177,21 @@ class SafeAttention(ContextCalls):
         return new
 
     # --------------------------------------------------------------- calling
+    @contain.boundary
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
         # torch.compile, CUDA-graph capture, inside another SafeSage: attention_context.py
         func = unwrap_attn(func)
-        if special_context(kwargs):
-            return self._special_call(func, args, kwargs)
+        if compiling():                 # traced by dynamo: nothing else first (attention_context.py)
+            return self._compiled_call(func, args, kwargs)
+        try:                            # the containment boundary (contain.py)
+            if special_context(kwargs):     # CUDA-graph capture, or inside another SafeSage
+                return self._special_call(func, args, kwargs)
+            return self._call(func, args, kwargs)
+        except Exception as e:          # noqa: BLE001 - SafeSage's own error: see _contained
+            run = self._contained(e, func, kwargs)
+        return run(*args, **kwargs)     # outside the handler: ComfyUI's errors are not chained to ours
+
+    def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         report.count("attention_calls")
         if self.layer_functions:
             func = self._layer_function(kwargs, func)
@@ -197,6 +208,32 @@ class SafeAttention(ContextCalls):
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
         return n.finish(out)
+
+    @contain.boundary
+    def _contained(self, e: Exception, func: Callable, kwargs: dict) -> Callable:
+        """An error anywhere in SafeSage's code for this call (reading the call, the layer's
+        function, the chained override's check, the output's shape, ...): raised again when it is
+        ComfyUI's own (its attention function or the chained override raised it) or a sticky CUDA
+        error; else counted, logged once, and the call runs what ComfyUI would run -- with as
+        little of SafeSage's code as can be: the chained override (ComfyUI's function in its place
+        when it runs an unguarded sage / comfy-kitchen kernel, whose limits are not checked here),
+        else ComfyUI's ``func`` (ComfyUI's attention_pytorch in place of an unguarded kernel)."""
+        if contain.not_ours(e):
+            raise e
+        contain.internal_error(e, "the attention override", "this call runs ComfyUI's own attention")
+        f = func
+        try:
+            if self.layer_functions:
+                f = self._layer_function(kwargs, func)
+        except Exception:  # noqa: BLE001 - ComfyUI's func, as ComfyUI hands it
+            f = func
+        if self.previous is not None and self.previous_kind is None:
+            return functools.partial(self.previous, f)
+        try:
+            f = comfy_function(f) or f
+        except Exception:  # noqa: BLE001 - what ComfyUI itself would run
+            pass
+        return f
 
     def _internal_error(self, e: Exception, n: Normalised) -> None:
         """An error in SafeSage's own choosing or checking (a bug, or an environment it did not
@@ -238,10 +275,10 @@ class SafeAttention(ContextCalls):
         if self.previous is not None and not self._previous_unsafe(n, func):
             token = INSIDE.set(True)            # a SafeSage below it passes through (attention_context.py)
             try:
-                return self.previous(func, *args, **kwargs)
+                return contain.run_comfy(self.previous, func, *args, **kwargs)
             finally:
                 INSIDE.reset(token)
-        return self._what_comfy_runs(func)(*args, **kwargs)
+        return contain.run_comfy(self._what_comfy_runs(func), *args, **kwargs)
 
     def _previous_unsafe(self, n: Normalised | None, func: Callable) -> bool:
         """The chained override runs an unguarded sage / comfy-kitchen kernel, and this call is

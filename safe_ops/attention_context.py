@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import compiler, opaque_op, report
+from . import compiler, contain, opaque_op, report
 from .comfy_call import UnsupportedCall, comfy_function, normalise
 from .executor import is_cuda_error
 
@@ -40,6 +40,12 @@ INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("safesage_inside",
 INSIDE_KW = "_safesage_inside"
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+
+
+@contain.boundary
+def compiling() -> bool:
+    """torch.compile is tracing this call (asked before anything else)."""
+    return _is_compiling()
 
 
 def capturing() -> bool:
@@ -56,6 +62,7 @@ def special_context(kwargs: dict) -> bool:
     return _is_compiling() or capturing() or INSIDE_KW in kwargs or INSIDE.get()
 
 
+@contain.boundary
 def unwrap_attn(func: Any) -> Any:
     """ComfyUI's ``wrap_attn`` wrapper -> the function it wraps (calling the wrapper would enter
     the override again); any other callable as it is."""
@@ -95,12 +102,14 @@ class ContextCalls:
         """What ComfyUI would run, and never an unguarded sage / comfy-kitchen kernel: the chained
         override unless it runs one, else ComfyUI's function (attention_pytorch for a sage one)."""
         if self.previous is not None and self.previous_kind is None:
-            if compiled:
+            if compiled:                  # traced: no try/except of run_comfy's
                 kwargs[INSIDE_KW] = True
-            return self.previous(func, *args, **kwargs)
+                return self.previous(func, *args, **kwargs)
+            return contain.run_comfy(self.previous, func, *args, **kwargs)
         kwargs.pop(INSIDE_KW, None)
-        fn = comfy_function(func) if compiled else self._what_comfy_runs(func)
-        return fn(*args, **kwargs)
+        if compiled:
+            return comfy_function(func)(*args, **kwargs)
+        return contain.run_comfy(self._what_comfy_runs(func), *args, **kwargs)
 
     # ------------------------------------------------------------------ torch.compile
     def _compiled_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import compiler, mlp_comfy, report
+from . import compiler, contain, mlp_comfy, report
 from .mlp_plan import parse_chunk_setting, resolve_chunk
 
 log = logging.getLogger("SafeSage.mlp")
@@ -50,6 +50,7 @@ MLP_COUNTERS = (
     "memo_dropped",     # calls whose memo was dropped (a cast buffer reused): cast per chunk
     "own_cast",         # calls with a layer that casts outside comfy.ops (e.g. GGUF): per chunk
     "cast_faults",      # errors in the cast memo's own code: that cast ran ComfyUI's own, memo dropped
+    "internal_errors",  # calls where SafeSage's own code raised: ComfyUI's forward ran instead (contain.py)
 )
 MLP_STATS = report.Section("mlp", MLP_COUNTERS, "SafeSage MLP: running ComfyUI's unchunked MLP ({reason})")
 
@@ -169,7 +170,8 @@ def _mlp_dims(module) -> tuple[int, int]:
 
 
 def _unpatched(module, x):
-    return type(module).forward(module, x)
+    """ComfyUI's own MLP forward: whatever it raises is ComfyUI's (contain.run_comfy)."""
+    return contain.run_comfy(type(module).forward, module, x)
 
 
 def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any = "auto",

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from . import mlp_comfy, report
+from . import contain, mlp_comfy, report
 from .h3 import H3_MLP_CLASS, H3_MODEL_MODULE, find_h3_mlps, is_h3_model
 from .mlp import MLP_STATS, h3_mlp_forward
 from .mlp_plan import parse_chunk_setting
@@ -29,10 +29,22 @@ class H3ChunkedMLPForward:
         self.chunk_setting = parse_chunk_setting(chunk_setting)
         self.stats = stats
 
+    @contain.boundary
     def __call__(self, x, *args, **kwargs):
+        try:                            # the containment boundary (contain.py)
+            return self._forward(x, args, kwargs)
+        except Exception as e:          # noqa: BLE001 - SafeSage's own error: ComfyUI's forward
+            if contain.not_ours(e):
+                raise
+            contain.internal_error(e, f"the H3 MLP forward ({self.path})",
+                                   "this call runs ComfyUI's unchunked MLP on the whole input", self.stats)
+        # a chunk that raised left nothing behind: cast_once's exit released its casts
+        return type(self.module).forward(self.module, x, *args, **kwargs)
+
+    def _forward(self, x, args: tuple, kwargs: dict):
         if args or kwargs:   # not the H3 signature: never guess
             self.stats.fallback("unexpected MLP.forward arguments")
-            return type(self.module).forward(self.module, x, *args, **kwargs)
+            return contain.run_comfy(type(self.module).forward, self.module, x, *args, **kwargs)
         return h3_mlp_forward(self.module, x, self.chunk_setting, self.stats)
 
     def __repr__(self):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import compiler, report
+from . import compiler, contain, report
 from .attention import SafeAttention
 from .comfy_call import function_name, unguarded_kind
 from .mlp_patch import install_h3_mlp_patches
@@ -31,6 +31,7 @@ class SafeSageError(RuntimeError):
     """A choice on the node that cannot be honoured here; the message says what to do."""
 
 
+@contain.boundary
 def _forward_wrapper(executor, *args, **kwargs):
     """DIFFUSION_MODEL wrapper: count the diffusion-model forwards (the node's statistics)."""
     try:
@@ -39,13 +40,18 @@ def _forward_wrapper(executor, *args, **kwargs):
         report.count("forwards")
 
 
+@contain.boundary
 def _run_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: the sampling run ends here (also when it raised), so under ComfyUI's
-    allocation compiler the next run chooses its plans and chunk sizes again."""
+    allocation compiler the next run chooses its plans and chunk sizes again. (A containment
+    boundary: an error of SafeSage's in marking the run's end is counted and logged, never raised.)"""
     try:
         return executor(*args, **kwargs)
     finally:
-        compiler.new_run()
+        try:
+            compiler.new_run()
+        except Exception as e:  # noqa: BLE001 - see contain.py
+            contain.internal_error(e, "the sampling-run wrapper", "the next run keeps this run's plans")
         report.count("sampling_runs")
 
 

@@ -51,6 +51,12 @@ def process_lines(snap: dict, show: int = 3) -> list[str]:
         more = f" (+{len(failed) - show} more, see /safesage/stats)" if len(failed) > show else ""
         out.append(f"WARNING: {len(failed)} kind(s) of call failed the first-call check earlier in this process "
                    f"(ComfyUI's own attention ran them): {shown}{more}")
+    errors = int(snap.get("internal_errors", 0) or 0)
+    mlp_errors = int((snap.get("mlp") or {}).get("internal_errors", 0) or 0)
+    if errors or mlp_errors:
+        out.append(f"WARNING: SafeSage's own code raised in {errors} attention call(s) and {mlp_errors} MLP call(s) "
+                   "earlier in this process; ComfyUI's own attention / MLP ran those calls (the error and its "
+                   "traceback are in the log: please report it)")
     return out
 
 
