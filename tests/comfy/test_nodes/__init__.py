@@ -15,6 +15,9 @@ it cannot replace it.
 SafeSageTestSaveLatent writes every tensor of a LATENT (plain or nested, e.g. MiniMax H3's
 audio-video latent, which core SaveLatent cannot save) to
 <output>/safesage_test/<name>.safetensors as t0, t1, ... and reports the file in its UI output.
+
+SafeSageTestFaults (fault_injector.py) records which of the pack's functions a prompt's sampling
+runs, or makes one of them raise, for tests/comfy/test_fault_injection.py.
 """
 
 import os
@@ -108,6 +111,9 @@ class SafeSageTestChainingOverride:
         return (m,)
 
 
+from .fault_injector import SafeSageTestFaults  # noqa: E402
+
 NODE_CLASS_MAPPINGS = {"SafeSageTestSaveLatent": SafeSageTestSaveLatent,
                        "SafeSageTestAttentionOverride": SafeSageTestAttentionOverride,
-                       "SafeSageTestChainingOverride": SafeSageTestChainingOverride}
+                       "SafeSageTestChainingOverride": SafeSageTestChainingOverride,
+                       "SafeSageTestFaults": SafeSageTestFaults}
