@@ -29,8 +29,8 @@ a CPU where chunked and unchunked happen to round identically (measured 0) -- an
 below what any wrong fallback moves (the tiny H3's MLP changes one forward's output by > 2%,
 test_comfy_h3.py). Nothing in the bound is a number from one CPU.
 
-Run time on 2 CPU cores (one server, tiny models, one sampling step per prompt): see the report
-in docs/DEVELOPING.md (about N prompts per scenario x well under a second each).
+Run time (one server, tiny models, one sampling step per prompt, about 180 prompts): see
+docs/DEVELOPING.md.
 """
 
 from __future__ import annotations
