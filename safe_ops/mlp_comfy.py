@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from . import report
+from . import contain, report
 
 log = logging.getLogger("SafeSage.mlp")
 
@@ -265,6 +265,7 @@ class _Scope:
 
 
 if getattr(getattr(torch, "compiler", None), "is_compiling", None) is not None:
+    @contain.boundary
     def _compiling() -> bool:
         """``torch.compiler.is_compiling()``, looked up per call (dynamo reads it as a constant)."""
         return torch.compiler.is_compiling()
@@ -288,6 +289,7 @@ def _wrap(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
     return True
 
 
+@contain.boundary
 def install() -> bool:
     """Wrap ``comfy.ops.cast_bias_weight`` / ``uncast_bias_weight`` once (idempotent), and
     observe the cast buffers ComfyUI hands out (``comfy.model_management.get_cast_buffer`` /
