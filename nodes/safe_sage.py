@@ -72,9 +72,11 @@ class SafeSageAttention(io.ComfyNode):
             category="model/patch/attention",
             description=(
                 "Checks every attention call against what SageAttention's kernels can index and "
-                "reroutes calls outside those limits, keeps temporary GPU buffers alive until the "
-                "GPU has finished with them, and runs MiniMax H3's MLP in token chunks. Put it "
-                "right after the model loader."
+                "reroutes calls outside those limits (every temporary is made on the GPU stream that "
+                "reads it, so none is held past the call), checks each new kind of call against "
+                "PyTorch attention, and runs MiniMax H3's MLP in token chunks. An error in SafeSage "
+                "itself never fails the prompt: that call runs ComfyUI's own code. Put it right "
+                "after the model loader."
             ),
             inputs=[
                 io.Model.Input("model", tooltip=TIP_MODEL),

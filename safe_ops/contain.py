@@ -27,6 +27,9 @@ log = logging.getLogger("SafeSage")
 
 _NOT_OURS = "_safesage_not_ours"
 _PACK = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: SafeSage's own code: the shipped safe_ops/ and nodes/ (not bench/ or tests/, whose stand-ins of
+#: ComfyUI's functions live in the same checkout)
+_OWN = tuple(os.path.join(_PACK, d) + os.sep for d in ("safe_ops", "nodes"))
 _in_pack_cache: dict[str, bool] = {}
 
 
@@ -40,7 +43,7 @@ def _in_pack(filename: str) -> bool:
     hit = _in_pack_cache.get(filename)
     if hit is None:
         path = os.path.abspath(filename)
-        hit = _in_pack_cache[filename] = path.startswith(_PACK + os.sep)
+        hit = _in_pack_cache[filename] = path.startswith(_OWN)
         report.trim(_in_pack_cache)
     return hit
 

@@ -40,6 +40,10 @@ def test_node_in_object_info(comfy):
     for name, spec in req.items():
         assert len(spec) > 1 and spec[1].get("tooltip"), "input %r has no tooltip" % name
     assert node["output"] == ["MODEL"]
+    # the description says what the node does: no fences (buffers "kept alive until the GPU has
+    # finished") since the stream-ordered executor -- issue 26, point 8
+    desc = node["description"].lower()
+    assert "alive" not in desc and "made on the gpu stream that reads it" in desc, node["description"]
 
 
 def test_pack_loaded_cleanly(comfy):
