@@ -3,18 +3,18 @@
 
 hidden 5376, ffn 14336 (fc1 [28672, 5376], fc2 [5376, 14336]), fp8 e4m3 weights with a
 per-tensor scale, bf16 activations, at S = 38,000 / 99,866 / 169,000 tokens. Pure torch (no
-ComfyUI import); the chunked side is ``safe_ops.mlp`` itself.
+ComfyUI import); the chunked side is ``safe_ops.models.h3.mlp`` itself.
 
 Modes (same process, same weights and input):
   dequant    ComfyUI's fallback for fp8 weights whose matmul is not run natively (and the
              LoRA path): each weight dequantised to bf16 once per MLP call
              (``q.to(bf16) * scale``, comfy-kitchen's formula), then
              unpatched: fc1 over all tokens -> ``_swiglu_eager`` -> fc2
-             chunked:   safe_ops.mlp.chunked_swiglu with the same dequantised weights.
+             chunked:   safe_ops.models.h3.mlp.chunked_swiglu with the same dequantised weights.
   scaled_mm  ComfyUI's native fp8 path (mixed_precision_ops + comfy-kitchen): each Linear
              quantises its input to fp8 with scale 1.0 and runs ``torch._scaled_mm``
              (unpatched: whole-sequence input copies; chunked: the same function per chunk
-             through safe_ops.mlp.run_chunked). Skipped where _scaled_mm is unavailable.
+             through safe_ops.models.h3.mlp.run_chunked). Skipped where _scaled_mm is unavailable.
 
 Per (mode, S, variant): peak allocated bytes (``torch.cuda.max_memory_allocated`` after
 ``reset_peak_memory_stats``; reported absolute and above the baseline of input + fp8 weights),
@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from safe_ops import mlp, mlp_plan
+from safe_ops.models.h3 import mlp, mlp_plan
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -185,7 +185,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--budget-mib", type=float, default=mlp_plan.AUTO_BUDGET_BYTES / 2 ** 20,
-                    help="memory budget the 'auto' chunk is planned for (safe_ops.mlp default)")
+                    help="memory budget the 'auto' chunk is planned for (safe_ops.models.h3.mlp default)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
 

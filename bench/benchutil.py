@@ -74,13 +74,13 @@ def emulate_sage_arch(arch: str) -> list:
 
 def emulated_runtime(arch: str, rtm=None, real=None):
     """SafeSage's runtime as it would read on ``arch`` (the compute capability and the sage family
-    it dispatches to change; nothing else). ``rtm``: the safe_ops.runtime module to ask (default:
-    ``import safe_ops.runtime``; inside a ComfyUI server, the one loaded with the pack); ``real``:
+    it dispatches to change; nothing else). ``rtm``: the safe_ops.facts.devices module to ask (default:
+    ``import safe_ops.facts.devices``; inside a ComfyUI server, the one loaded with the pack); ``real``:
     its real runtime() if already read."""
     import dataclasses
 
     if rtm is None:
-        import safe_ops.runtime as rtm
+        import safe_ops.facts.devices as rtm
     cap = (int(arch[2:-1]), int(arch[-1]))
     real = real if real is not None else rtm.runtime()
     return dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),

@@ -208,12 +208,12 @@ def child(a) -> None:
     rt = _emulate(a.emulate_arch) if a.emulate_arch else None
     step_now = [0]
     if a.free_gib and arm.startswith("safesage"):
-        import safe_ops.budget
+        import safe_ops.facts.budget
         free = [float(x) * 2 ** 30 for x in a.free_gib.split(",")]
-        safe_ops.budget.free_device_bytes = lambda device: int(free[min(step_now[0], len(free) - 1)])
+        safe_ops.facts.budget.free_device_bytes = lambda device: int(free[min(step_now[0], len(free) - 1)])
     if a.blind:
-        import safe_ops.compiler
-        safe_ops.compiler.enabled = lambda device: False
+        import safe_ops.facts.compiler
+        safe_ops.facts.compiler.enabled = lambda device: False
 
     info = {"arm": arm, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(dev),
             "comfy_aimdo": getattr(comfy_aimdo, "__version__", None) or _dist("comfy-aimdo"),
@@ -264,12 +264,13 @@ def child(a) -> None:
         del warm
         comp.on = not a.no_compiler
         if arm.startswith("safesage"):
-            from safe_ops import mlp_comfy, report
-            from safe_ops.attention import SafeAttention
-            from safe_ops.mlp_patch import H3ChunkedMLPForward
+            from safe_ops.models.h3 import cast_memo
+            from safe_ops.ui import run_stats
+            from safe_ops.attention.override import SafeAttention
+            from safe_ops.models.h3.mlp_patch import H3ChunkedMLPForward
             from safe_ops.policy import Policy
             to["optimized_attention_override"] = SafeAttention(Policy(verify=a.verify), rt=rt)
-            mlp_comfy.install()
+            cast_memo.install()
             for i, b in enumerate(blocks):
                 b.mlp.forward = H3ChunkedMLPForward(b.mlp, f"blocks.{i}.mlp", "auto")
         torch.cuda.synchronize()
@@ -312,7 +313,7 @@ def child(a) -> None:
                   "out_finite": bool(torch.isfinite(out).all()), "eager_ms": round(eager_ms, 1),
                   "eager_peak_extra_bytes": eager_peak, "out_checksum": float(out.float().sum().item())}
         if arm.startswith("safesage"):
-            snap = report.snapshot()
+            snap = run_stats.snapshot()
             result["safesage"] = {k: snap.get(k) for k in ("plans", "fallback_reasons", "probes", "probe_failures",
                                                             "replans", "mlp", "plan:kv_chunks", "plan:head_groups",
                                                             "plan:direct", "plan:repack", "plan:sdpa")}

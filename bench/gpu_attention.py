@@ -12,7 +12,7 @@ in a child process, because an illegal memory access poisons the CUDA context.
     python bench/gpu_attention.py stress --family sage2_fp8pv_perwarp --out ...   (sage 2.2.0)
 
 ``--family`` picks the sage kernel family (default: the one ``sageattn`` dispatches to on
-this GPU, ``safe_ops.runtime``). With sage 2.2.0 on an H200, ``sage2_fp8pv_perwarp`` is the
+this GPU, ``safe_ops.facts.devices``). With sage 2.2.0 on an H200, ``sage2_fp8pv_perwarp`` is the
 sm_120 dispatch (``sageattn_qk_int8_pv_fp8_cuda`` per_warp, fp32+fp16: what ``sageattn`` runs on
 an RTX 5090, minus the #388 length rule) and ``sage2_sm90`` the native sm_90 path; the raw
 (unguarded) call is that family's function called exactly as SafeSage calls it.
@@ -98,14 +98,14 @@ def bench_runtime():
     """The runtime, with the sage family forced to ``--family`` when one was given."""
     import dataclasses
 
-    from safe_ops.runtime import runtime
+    from safe_ops.facts.devices import runtime
     rt = runtime()
     return dataclasses.replace(rt, sage_family=FAMILY, sage_error=None) if FAMILY else rt
 
 
 def sage_kern():
-    from safe_ops import envelope_sage2  # noqa: F401  (registers the sage 2.x families)
-    from safe_ops.kernels import sage_kernel
+    from safe_ops.families import sage2  # noqa: F401  (registers the sage 2.x families)
+    from safe_ops.families.kernels import sage_kernel
     k = sage_kernel(bench_runtime())
     if k is None:
         raise SystemExit(f"no usable sage kernel for family {FAMILY or bench_runtime().sage_family}")
@@ -113,7 +113,7 @@ def sage_kern():
 
 
 def guarded(policy=None):
-    from safe_ops.attention import SafeAttention
+    from safe_ops.attention.override import SafeAttention
     from safe_ops.policy import Policy
     return SafeAttention(policy or Policy(kernel="sage", verify="off"), kernels=[sage_kern()], rt=bench_runtime())
 
@@ -200,7 +200,7 @@ def _partial(args, res: dict) -> None:
 
 def inlimit_ok(q) -> bool:
     """Whether contiguous HND copies of tensors shaped like ``q`` are inside the family's envelope."""
-    from safe_ops.envelope import AttnCall, TensorDesc, check
+    from safe_ops.families.envelope import AttnCall, TensorDesc, check
     d = TensorDesc.contiguous(tuple(q.shape), "HND")
     call = AttnCall(d, d, d, str(q.dtype).replace("torch.", ""), "HND", False, "cuda",
                     bench_runtime().arch_name, q.element_size())
@@ -208,7 +208,7 @@ def inlimit_ok(q) -> bool:
 
 
 def stress(args) -> dict:
-    from safe_ops import report
+    from safe_ops.ui import run_stats
     results = []
     sizes = [int(s) for s in args.sizes.split(",")]
     side = torch.cuda.Stream()
@@ -226,7 +226,7 @@ def stress(args) -> dict:
                 inlimit = rel_l2(raw_sage(qc, kc, vc), ref)
                 del qc, kc, vc
             for stream_name in ("default", "side"):
-                report.reset()
+                run_stats.reset()
                 att = guarded()
                 st = torch.cuda.current_stream() if stream_name == "default" else side
                 if stream_name == "side":
@@ -236,7 +236,7 @@ def stress(args) -> dict:
                 torch.cuda.current_stream().wait_stream(st)
                 torch.cuda.synchronize()
                 heads = per_head_rel(o, ref)
-                plan = next(iter(report.PLANS.values()), "")
+                plan = next(iter(run_stats.PLANS.values()), "")
                 results.append({"S": S, "layout": layout, "stream": stream_name, "plan": plan,
                                 "guarded_rel_err": rel_l2(o, ref), "guarded_worst_head": max(heads),
                                 "guarded_tail_worst_row": tail_row_err(o, ref),
@@ -285,13 +285,13 @@ def _peak_extra(fn) -> int:
 
 
 def bench(args) -> dict:
-    from safe_ops import report
+    from safe_ops.ui import run_stats
     rows = []
     for S in [int(s) for s in args.sizes.split(",")]:
         torch.cuda.empty_cache()
         q, k, v = h3_qkv(S, "strided")
         qc, kc, vc = (t.contiguous() for t in (q, k, v))
-        report.reset()
+        run_stats.reset()
         att = guarded()
         g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
         kin = lambda: raw_sage(qc, kc, vc)  # noqa: E731
@@ -310,16 +310,16 @@ def bench(args) -> dict:
         if plan.repack:
             import dataclasses
 
-            from safe_ops.comfy_call import normalise
-            from safe_ops.envelope import check
-            from safe_ops.planner import _sub_call
+            from safe_ops.attention.call_forms import normalise
+            from safe_ops.families.envelope import check
+            from safe_ops.attention.planner import _sub_call
             alt = dataclasses.replace(plan, layout="HND" if plan.layout == "NHD" else "NHD")
             call = next(iter(att._prepared.values())).call
             if not check(_sub_call(call, plan.head_group or HEADS, plan.q_chunk or S, alt.repack, alt.layout),
                          att.kernels[plan.kernel].envelope):
                 nn = normalise((q, k, v, HEADS), {"skip_reshape": True, "skip_output_reshape": True})
                 alt_ms = _time_ms(lambda: att.executor.run(alt, nn), reps)
-        row = {"S": S, "plan": next(iter(report.PLANS.values()), ""),
+        row = {"S": S, "plan": next(iter(run_stats.PLANS.values()), ""),
                "other_layout_repack_ms": alt_ms,
                "guarded_ms": min(tg), "inlimit_kernel_ms": min(tk), "sdpa_ms": min(ts),
                "guarded_over_inlimit": min(tg) / min(tk), "guarded_over_sdpa": min(tg) / min(ts),
@@ -342,13 +342,13 @@ def host_overhead(S: int, n: int = 400) -> dict:
     own Python work alone (the same override around a kernel that returns a
     preallocated tensor, minus calling that kernel directly).
     """
-    from safe_ops import report
-    from safe_ops.kernels import Kernel
-    from safe_ops.attention import SafeAttention
-    from safe_ops.envelope import SAGE1_TRITON
+    from safe_ops.ui import run_stats
+    from safe_ops.families.kernels import Kernel
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.families.envelope import SAGE1_TRITON
     from safe_ops.policy import Policy
     q, k, v = h3_qkv(S, "strided")
-    report.reset()
+    run_stats.reset()
     att = guarded()
     pre = torch.empty_like(q, memory_format=torch.contiguous_format)
     null_fn = lambda q_, k_, v_, layout, scale: pre  # noqa: E731
@@ -379,9 +379,9 @@ def host_overhead(S: int, n: int = 400) -> dict:
 
 # -------------------------------------------------------------------------- probe
 def probe(args) -> dict:
-    from safe_ops import report
-    from safe_ops.kernels import Kernel
-    from safe_ops.attention import SafeAttention
+    from safe_ops.ui import run_stats
+    from safe_ops.families.kernels import Kernel
+    from safe_ops.attention.override import SafeAttention
     from safe_ops.policy import Policy
     out = {"env": env_info(), "sizes": []}
     rt = bench_runtime()
@@ -391,7 +391,7 @@ def probe(args) -> dict:
         q, k, v = h3_qkv(S, "strided")
         row = {"S": S}
         # real sage: probe verdict and overhead of the first (probed) call vs the second
-        report.reset()
+        run_stats.reset()
         att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[real], rt=rt)
         call = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
         att_np = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[real], rt=rt)
@@ -405,7 +405,7 @@ def probe(args) -> dict:
         call_np()                 # same call without probe
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        from safe_ops.probe import compare
+        from safe_ops.attention.verification import compare
         o = call_np()
         torch.cuda.synchronize()
         t3 = time.perf_counter()
@@ -416,19 +416,19 @@ def probe(args) -> dict:
         row.update(real_verdicts=att.verifier.verdicts(), first_call_s=t1 - t0, plain_call_s=t2 - t1,
                    probe_only_s=t4 - t3, probe_only_pct=100 * (t4 - t3) / (t2 - t1),
                    probe_overhead_pct=100 * ((t1 - t0) - (t2 - t1)) / (t2 - t1),
-                   probe_failures=int(report.STATS["probe_failures"]))
+                   probe_failures=int(run_stats.STATS["probe_failures"]))
         # a deliberately broken kernel: corrupts rows past 60% of the sequence
         def broken(q_, k_, v_, layout, scale, _fn=real.fn):
             o = _fn(q_, k_, v_, layout, scale)
             s_ax = 2 if layout == "HND" else 1
             o.narrow(s_ax, int(o.shape[s_ax] * 0.6), o.shape[s_ax] - int(o.shape[s_ax] * 0.6)).mul_(-3.0)
             return o
-        report.reset()
+        run_stats.reset()
         bad = Kernel(real.envelope, broken, real.tolerance)
         att_b = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[bad], rt=rt)
         ob = att_b(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
         ref = sdpa(q, k, v)
-        row.update(broken_caught=int(report.STATS["probe_failures"]) == 1,
+        row.update(broken_caught=int(run_stats.STATS["probe_failures"]) == 1,
                    broken_output_rel_err_vs_sdpa=rel_l2(ob, ref),
                    broken_verdicts=att_b.verifier.verdicts())
         out["sizes"].append(row)

@@ -103,12 +103,12 @@ def sage_direct_fns() -> dict:
 
 
 def guarded_att(family: str, device: str):
-    from safe_ops.attention import SafeAttention
+    from safe_ops.attention.override import SafeAttention
     from safe_ops.policy import Policy
     if family == "fake_cpu":
-        from safe_ops.envelope import SAGE1_TRITON
-        from safe_ops.kernels import SDPA_KERNEL, Kernel
-        from safe_ops.runtime import runtime
+        from safe_ops.families.envelope import SAGE1_TRITON
+        from safe_ops.families.kernels import SDPA_KERNEL, Kernel
+        from safe_ops.facts.devices import runtime
         env = dataclasses.replace(SAGE1_TRITON, family="fake_cpu", devices=("cpu",), head_dims=(16, 32, 64, 128))
         return SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(env, SDPA_KERNEL.fn, 0.05)],
                              rt=runtime())
@@ -119,7 +119,7 @@ def guarded_att(family: str, device: str):
 
 def arms(args, comfy_fn) -> dict:
     """arm name -> (attention fn(q, k, v, heads, block) for the toy, or the reason it is skipped)."""
-    from safe_ops.attention import SafeAttention
+    from safe_ops.attention.override import SafeAttention
     from safe_ops.policy import Policy
     out: dict = {"comfy": lambda q, k, v, h, i: comfy_fn(q, k, v, h, transformer_options={"block_index": i})}
     sdpa = SafeAttention(Policy(kernel="sdpa", verify="off"), kernels=[])
@@ -155,9 +155,9 @@ def rel_l2(a, b) -> float:
 
 
 def measure(name, attn, args, x) -> dict:
-    from safe_ops import report
+    from safe_ops.ui import run_stats
     model = Toy(attn, args.heads, args.dim, x.dtype, x.device)
-    report.reset()
+    run_stats.reset()
     eager = model(x)                              # warm-up: plans and verifies
     torch._dynamo.reset()
     ex = torch._dynamo.explain(model)(x)
@@ -173,7 +173,7 @@ def measure(name, attn, args, x) -> dict:
     got = compiled(x)
     res = {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count, "attention_calls_per_forward": 2,
            "breaks_per_call": ex.graph_break_count / 2, "safesage_opaque_ops": ops, "break_reasons": reasons[:6],
-           "compiled_vs_eager_rel_l2": rel_l2(got, eager), "stats_eager_explain_compiled": dict(report.STATS)}
+           "compiled_vs_eager_rel_l2": rel_l2(got, eager), "stats_eager_explain_compiled": dict(run_stats.STATS)}
     if x.is_cuda:
         res.update({f"{k}_ms": v for k, v in time_ms({"eager": lambda: model(x), "compiled": lambda: compiled(x)},
                                                      args.reps).items()})

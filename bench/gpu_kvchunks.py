@@ -99,14 +99,14 @@ def flops(S: int) -> float:
 
 def kernels() -> dict:
     """Every family that can run here: name -> safe_ops Kernel (errors recorded by the caller)."""
-    from safe_ops.kernels import sage2_kernel
+    from safe_ops.families.kernels import sage2_kernel
     out = {}
     for fam in SAGE2_FAMILIES:
         k = sage2_kernel(fam)
         if k is not None:
             out[fam] = k
     try:
-        from safe_ops.kernels import ck_kernel
+        from safe_ops.families.kernels import ck_kernel
         ck = ck_kernel()
         if ck is not None:
             out[ck.family] = ck
@@ -116,9 +116,9 @@ def kernels() -> dict:
 
 
 def guarded(kern, policy=None):
-    from safe_ops.attention import SafeAttention
+    from safe_ops.attention.override import SafeAttention
     from safe_ops.policy import Policy
-    from safe_ops.runtime import runtime
+    from safe_ops.facts.devices import runtime
     return SafeAttention(policy or Policy(kernel="sage", verify="off"), kernels=[kern], rt=runtime())
 
 
@@ -128,8 +128,8 @@ def inlimit_fn(kern, nhd):
     whose every launch passes the family's envelope. At 314,437 tokens a whole
     contiguous NHD call is itself past sage2_sm80's limit (299,595), so it cannot be the
     reference there. Returns (callable, number of groups)."""
-    from safe_ops.envelope import AttnCall, TensorDesc, check
-    from safe_ops.runtime import runtime
+    from safe_ops.families.envelope import AttnCall, TensorDesc, check
+    from safe_ops.facts.devices import runtime
     S = nhd[0].shape[1]
     for groups in (g for g in range(1, HEADS + 1) if HEADS % g == 0):
         hg = HEADS // groups
@@ -150,7 +150,7 @@ def sec_families(args) -> dict:
     """Each family at H3 shapes: the guarded call on the strided views (the plan the planner
     picks for that family alone) and the raw kernel on in-limit inputs (contiguous NHD copies);
     SDPA on the views. TFLOP/s use the in-limit time, as kernel_table.json always has."""
-    from safe_ops import report
+    from safe_ops.ui import run_stats
     rows = []
     ks = kernels()
     for S in args.sizes:
@@ -165,12 +165,12 @@ def sec_families(args) -> dict:
         for fam, kern in ks.items():
             r = {"tolerance": kern.tolerance}
             try:
-                report.reset()
+                run_stats.reset()
                 att = guarded(kern)
                 g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
                 o = g()
                 torch.cuda.synchronize()
-                r["plan"] = next(iter(report.PLANS.values()), "")
+                r["plan"] = next(iter(run_stats.PLANS.values()), "")
                 r["rel_l2_vs_sdpa"] = rel_l2(o[:, :, idx], ref)
                 r["finite"] = bool(torch.isfinite(o).all())
                 del o
@@ -204,8 +204,8 @@ def with_kv_rule(kern, limit: int):
     """``kern`` with sm_120's key-length rule added (what makes the planner chunk keys)."""
     import dataclasses
 
-    from safe_ops.kernels import Kernel
-    from safe_ops.envelope_sage2 import KvLenRule
+    from safe_ops.families.kernels import Kernel
+    from safe_ops.families.sage2 import KvLenRule
     env = kern.envelope
     env = dataclasses.replace(env, family=env.family,
                               extra_rules=env.extra_rules + (KvLenRule(env.family, limit, "issue 11 bench",
@@ -236,7 +236,7 @@ def sec_kvchunks(args) -> dict:
     """kv_chunks through SafeAttention with the real sage 2.2 kernel: the family's envelope plus
     sm_120's key-length rule (kv_len < 150,000) makes the planner chunk the keys, exactly as on an
     RTX 5090; the reference is the same kernel's unchunked plan (the envelope without that rule)."""
-    from safe_ops import report
+    from safe_ops.ui import run_stats
     out = []
     ks = kernels()
     for i, fam in enumerate(args.kv_families):
@@ -253,7 +253,7 @@ def sec_kvchunks(args) -> dict:
                 q, k, v = h3_views(buf)
                 idx = row_index(S)
                 ref = sdpa_rows(q, k, v, idx)
-                report.reset()
+                run_stats.reset()
                 a_kv, a_ref = guarded(chunked), guarded(kern)
                 f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
                 f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
@@ -268,7 +268,7 @@ def sec_kvchunks(args) -> dict:
                 fns = {"kv": f_kv, "ref": f_ref}
                 # the same kernel on in-limit inputs made beforehand (contiguous NHD copies), where
                 # such inputs exist for this family at S
-                from safe_ops.envelope import AttnCall, TensorDesc, check
+                from safe_ops.families.envelope import AttnCall, TensorDesc, check
                 nd = TensorDesc.contiguous((1, HEADS, S, D), "NHD")
                 if not check(AttnCall(nd, nd, nd, "bfloat16", "NHD"), kern.envelope):
                     nhd = [t_.transpose(1, 2).contiguous() for t_ in (q, k, v)]
@@ -296,8 +296,8 @@ def sec_anatomy(args) -> dict:
     (whole keys, with and without ``return_lse``; the keys split in the plan's chunks, with and
     without ``return_lse``; the split plus the pack's own merge), the pack's kv_chunks call and
     its unchunked plan, and a per-kernel profile of the pack's call and of the whole-key call."""
-    from safe_ops import report
-    from safe_ops.executor import lse_merge
+    from safe_ops.ui import run_stats
+    from safe_ops.attention.executor import lse_merge
     fam = args.kv_families[0]
     ks = kernels()
     if fam not in ks:
@@ -306,7 +306,7 @@ def sec_anatomy(args) -> dict:
     S = args.anatomy_S
     buf = h3_buffer(S)
     q, k, v = h3_views(buf)
-    report.reset()
+    run_stats.reset()
     a_kv, a_ref = guarded(with_kv_rule(kern, SM120_KV_RULE)), guarded(kern)
     f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
     f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
@@ -456,9 +456,9 @@ def sec_guard(args) -> dict:
     """Guarded call (SafeAttention, the runtime's sage kernel, the planner's plan) vs the same
     kernel on in-limit inputs made beforehand (contiguous copies in the plan's layout), at the
     first length past the strided limit; interleaved, median of ``--guard-reps``."""
-    from safe_ops import report
-    from safe_ops.kernels import sage_kernel
-    from safe_ops.runtime import runtime
+    from safe_ops.ui import run_stats
+    from safe_ops.families.kernels import sage_kernel
+    from safe_ops.facts.devices import runtime
     rt = runtime()
     rows = []
     fams = [rt.sage_family] + [f for f in args.guard_families if f != rt.sage_family]
@@ -474,13 +474,13 @@ def sec_guard(args) -> dict:
             S = args.guard_S
             buf = h3_buffer(S)
             q, k, v = h3_views(buf)
-            report.reset()
+            run_stats.reset()
             att = guarded(kern)
             g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
             g()
             prepared = next(iter(att._prepared.values()), None)
             if prepared is None:     # the kernel raised or failed its probe: the call fell back to SDPA
-                raise RuntimeError(f"no plan kept: fallbacks {dict(report.FALLBACKS)}")
+                raise RuntimeError(f"no plan kept: fallbacks {dict(run_stats.FALLBACKS)}")
             plan = prepared.plan
             lay = plan.layout
             if lay == "NHD":
@@ -502,7 +502,7 @@ def sec_guard(args) -> dict:
 
 def update_table(result_path: str, table_path: str, only: list[str] | None = None) -> dict:
     """Merge a run's measured TFLOP/s (``families`` section: families whose output was right)
-    into safe_ops/kernel_table.json under the run's arch; families not re-measured are kept.
+    into safe_ops/facts/kernel_table.json under the run's arch; families not re-measured are kept.
     ``only``: merge just these families (a run at other sizes adds a family without moving
     the medians the others were measured at)."""
     with open(result_path) as f:
@@ -568,7 +568,7 @@ def main() -> None:
     ap.add_argument("--anatomy-reps", type=int, default=3)
     ap.add_argument("--section-timeout", type=int, default=420)
     ap.add_argument("--update-table", metavar="RESULT_JSON",
-                    help="merge RESULT_JSON's measured TFLOP/s into safe_ops/kernel_table.json and exit (no GPU)")
+                    help="merge RESULT_JSON's measured TFLOP/s into safe_ops/facts/kernel_table.json and exit (no GPU)")
     ap.add_argument("--table-families", default=None, metavar="A,B",
                     help="with --update-table: merge only these families")
     ap.add_argument("--child")
@@ -584,7 +584,7 @@ def main() -> None:
     args.kv_families = [x for x in str(args.kv_families).split(",") if x]
     args.guard_families = [x for x in str(args.guard_families).split(",") if x]
     if args.update_table:
-        entry = update_table(args.update_table, os.path.join(ROOT, "safe_ops", "kernel_table.json"),
+        entry = update_table(args.update_table, os.path.join(ROOT, "safe_ops", "facts", "kernel_table.json"),
                              args.table_families.split(",") if args.table_families else None)
         print(json.dumps(entry, indent=1))
         return

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """MiniMax H3's MLP through ComfyUI's own ops: unpatched ``MLP.forward`` vs the pack's
-``safe_ops.mlp.h3_mlp_forward`` with ComfyUI's cast memoised (``safe_ops.mlp_comfy.install()``:
+``safe_ops.models.h3.mlp.h3_mlp_forward`` with ComfyUI's cast memoised (``safe_ops.models.h3.cast_memo.install()``:
 exactly what the SafeSage node installs), one process, same module.
 
 The module is ComfyUI 0dd9b154's ``comfy.ldm.minimax.model.MLP`` at the real size (hidden 5376,
@@ -154,9 +154,10 @@ def main():
     elif not torch.cuda.is_available():
         sys.exit("gpu_mlp_comfy: needs a CUDA GPU")
     import comfy.model_management  # noqa: F401  (GPU init as ComfyUI does)
-    from safe_ops import mlp, mlp_comfy, mlp_plan, report
+    from safe_ops.models.h3 import mlp, cast_memo, mlp_plan
+    from safe_ops.ui import run_stats
     casts = CastCount()
-    if not mlp_comfy.install():
+    if not cast_memo.install():
         sys.exit("gpu_mlp_comfy: this ComfyUI has no comfy.ops.cast_bias_weight/uncast_bias_weight")
     import importlib.metadata as md
     res = {"bench": "h3_mlp_comfy_ops", "command": "python3 " + " ".join(sys.argv),
@@ -180,7 +181,7 @@ def main():
                 with torch.inference_mode():
                     x = torch.randn(1, S, HIDDEN, device=DEV, dtype=torch.bfloat16,
                                     generator=torch.Generator(device=DEV).manual_seed(S))
-                    stats = report.Section("bench_mlp", mlp.MLP_COUNTERS)
+                    stats = run_stats.Section("bench_mlp", mlp.MLP_COUNTERS)
                     fns = {"unpatched": lambda: type(m).forward(m, x)}
                     for c in chunks:
                         fns[f"chunked:{c}"] = (lambda c=c: mlp.h3_mlp_forward(m, x, mlp_plan.parse_chunk_setting(c),

@@ -39,7 +39,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from safe_ops import executor, streams  # noqa: E402
+from safe_ops.attention import executor, streams  # noqa: E402
 
 ARMS = ("pack", "no_record_stream", "never_hop", "no_hop_exit")
 CYCLES_PER_MS = 2_000_000        # torch.cuda._sleep cycles per millisecond, about (a ~2 GHz SM clock)
@@ -110,10 +110,10 @@ def negative_verdict(arms: dict) -> dict:
 
 # ------------------------------------------------------------------------- negative controls
 def guarded(family: str):
-    from safe_ops.attention import SafeAttention
-    from safe_ops.kernels import sage2_kernel
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.families.kernels import sage2_kernel
     from safe_ops.policy import Policy
-    from safe_ops.runtime import runtime
+    from safe_ops.facts.devices import runtime
     kern = sage2_kernel(family)
     if kern is None:
         raise SystemExit(f"family {family} is not in this sageattention build")
@@ -228,10 +228,10 @@ def stream_verdict(observed: dict, launches_on_legacy_stream: bool) -> dict:
 
 def available_kernels(only: list[str] | None) -> dict:
     """family -> Kernel for every family this environment can call (or an error string)."""
-    from safe_ops.envelope import FAMILIES
-    from safe_ops.kernels import ck_kernel, sage2_kernel, sage_kernel
-    from safe_ops.runtime import runtime
-    from safe_ops.sage_dispatch import SAGE1, SAGEATTN_CALL
+    from safe_ops.families.envelope import FAMILIES
+    from safe_ops.families.kernels import ck_kernel, sage2_kernel, sage_kernel
+    from safe_ops.facts.devices import runtime
+    from safe_ops.families.sage_dispatch import SAGE1, SAGEATTN_CALL
     rt = runtime()
     out: dict = {}
     if rt.sage_version and rt.sage_version.startswith("1."):

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_attention as ga  # noqa: E402
 import torch  # noqa: E402
 
-from safe_ops import report  # noqa: E402
+from safe_ops.ui import run_stats  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--S", type=int, default=99_866)
@@ -21,5 +21,5 @@ a = ap.parse_args()
 q, k, v = ga.h3_qkv(a.S, "strided")
 o = ga.guarded()(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
 torch.cuda.synchronize()
-print("plan:", next(iter(report.PLANS.values())))
+print("plan:", next(iter(run_stats.PLANS.values())))
 print("rel_err_vs_sdpa:", ga.rel_l2(o, ga.sdpa(q, k, v)))

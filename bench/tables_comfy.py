@@ -12,7 +12,7 @@ GiB = 2**30
 def mlp_comfy_section(d) -> list[str]:
     cast_once = any("casts_per_call" in r for r in d["runs"])
     how = ("ComfyUI's own `MLP.forward` per token chunk, each Linear's cast memoised for the call "
-           "(`safe_ops.mlp_comfy`; *casts*: ComfyUI's real casts in one call)" if cast_once
+           "(`safe_ops.models.h3.cast_memo`; *casts*: ComfyUI's real casts in one call)" if cast_once
            else "the pack's earlier mirror of ComfyUI's layers (replaced; kept for the record)")
     out = [f"## H3 MLP through ComfyUI's own ops ({d['bench']}): {how.split(' (')[0]}", "",
            f"Measured by `{d['command']}` on {d['gpu']}, torch {d['torch']}, comfy-kitchen {d['comfy_kitchen']}; "
@@ -20,7 +20,7 @@ def mlp_comfy_section(d) -> list[str]:
            + (", or bf16 weights left in host memory (`lowvram_bf16`: every call casts them to the GPU; "
               "*per_chunk*: ComfyUI's forward per chunk without the memo)" if any(r["mode"].startswith("lowvram")
                                                                                   for r in d["runs"]) else "")
-           + f", unpatched forward vs `safe_ops.mlp.h3_mlp_forward`: {how}. *Queued*: timed behind ~30 ms of GPU "
+           + f", unpatched forward vs `safe_ops.models.h3.mlp.h3_mlp_forward`: {how}. *Queued*: timed behind ~30 ms of GPU "
            "work, so the host-side setup overlaps as inside a model; *idle*: from an idle GPU."
            + (f" {d['note']}" if d.get("note") else ""), "",
            "| mode | S | variant | chunk | ms idle | ratio idle | ms queued | ratio queued | extra peak | vs unpatched "

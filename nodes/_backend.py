@@ -28,7 +28,7 @@ _IMPORT_ERROR: BaseException | None = None
 _IMPORT_TRACEBACK = ""
 
 try:
-    from ..safe_ops import report
+    from ..safe_ops.ui import run_stats as report
     from ..safe_ops.patch import apply_safesage
     from ..safe_ops.policy import Policy
 except Exception as e:  # noqa: BLE001 - any failure must be reported, not raised at load
@@ -55,8 +55,8 @@ def require():
 def preflight_limits(policy) -> list[str]:
     """The SafeSage Attention node's preflight lines; a failure here never fails the node."""
     try:
-        from ..safe_ops.runtime import runtime
-        from ..safe_ops.status import limits_lines
+        from ..safe_ops.facts.devices import runtime
+        from ..safe_ops.ui.status import limits_lines
         return limits_lines(runtime(), policy)
     except Exception as e:  # noqa: BLE001 - status text only
         log.warning("SafeSage: preflight lines unavailable: %s: %s", type(e).__name__, e)
@@ -64,10 +64,10 @@ def preflight_limits(policy) -> list[str]:
 
 
 def preflight(width: int, height: int, length: int, ref_images: int, text_tokens: int, model=None) -> dict:
-    """The SafeSage Preflight node: safe_ops.preflight_text.preflight_report with the connected model's
+    """The SafeSage Preflight node: safe_ops.ui.preflight_text.preflight_report with the connected model's
     SafeSage settings (if any) and a note when the model is not MiniMax H3."""
     require()
-    from ..safe_ops.preflight_text import preflight_report
-    from ..safe_ops.status import model_context
+    from ..safe_ops.ui.preflight_text import preflight_report
+    from ..safe_ops.ui.status import model_context
     policy, note = model_context(model)
     return preflight_report(width, height, length, ref_images, text_tokens, policy=policy, model_note=note)

@@ -1,6 +1,6 @@
 """HTTP routes of the pack, added to ComfyUI's server when there is one.
 
-GET /safesage/stats -> safe_ops.report.snapshot() as JSON (process-wide counters: attention
+GET /safesage/stats -> safe_ops.ui.run_stats.snapshot() as JSON (process-wide counters: attention
 calls per plan kind, fallbacks with reasons, MLP patches and calls). 503 with
 {"error": ...} when safe_ops could not be imported, 500 when the snapshot itself fails.
 """

@@ -20,8 +20,8 @@ import logging
 import os
 from typing import Any, Callable
 
-from . import report
-from .executor import is_cuda_error
+from .ui import run_stats
+from .attention.executor import is_cuda_error
 
 log = logging.getLogger("SafeSage")
 
@@ -44,7 +44,7 @@ def _in_pack(filename: str) -> bool:
     if hit is None:
         path = os.path.abspath(filename)
         hit = _in_pack_cache[filename] = path.startswith(_OWN)
-        report.trim(_in_pack_cache)
+        run_stats.trim(_in_pack_cache)
     return hit
 
 
@@ -83,25 +83,25 @@ def not_ours(e: BaseException) -> bool:
         return False
 
 
-def internal_error(e: Exception, what: str, runs: str, stats: report.Section | None = None,
+def internal_error(e: Exception, what: str, runs: str, stats: run_stats.Section | None = None,
                    where: str = "") -> None:
     """Count (``internal_errors``: the store's, or ``stats``' section's), log once with its
     traceback, and record as a fallback an error of SafeSage's own code in ``what`` (e.g. "the
     attention override"); ``runs`` says what runs instead. Never raises."""
     try:
         if stats is None:
-            report.count("internal_errors")
+            run_stats.count("internal_errors")
         else:
             stats.bump("internal_errors")
     except Exception:  # noqa: BLE001
         pass
     try:
         key = ("internal", what, type(e).__name__, str(e)[:120])
-        if report.once(key, logging.DEBUG, "internal error"):
+        if run_stats.once(key, logging.DEBUG, "internal error"):
             log.error("SafeSage: internal error in %s%s (please report it, with this traceback); %s",
                       what, f" on {where}" if where else "", runs, exc_info=e)
         if stats is None:
-            report.fallback(f"SafeSage internal error in {what}: {type(e).__name__}: {e}", where or None)
+            run_stats.fallback(f"SafeSage internal error in {what}: {type(e).__name__}: {e}", where or None)
         else:
             stats.fallback(f"SafeSage internal error: {type(e).__name__}: {e}")
     except Exception:  # noqa: BLE001 - the log must not fail the prompt either

@@ -39,15 +39,15 @@ except ImportError:  # pragma: no cover - a fresh machine without torch
         sys.exit(NO_TORCH)
     raise
 
-from . import report
-from .attention import SafeAttention
-from .kernels import Kernel, sage_kernel
-from .envelope import SAGE1_TRITON, AttnCall, TensorDesc, check
-from .mlp import chunked_swiglu, reference_swiglu
+from .ui import run_stats
+from .attention.override import SafeAttention
+from .families.kernels import Kernel, sage_kernel
+from .families.envelope import SAGE1_TRITON, AttnCall, TensorDesc, check
+from .models.h3.mlp import chunked_swiglu, reference_swiglu
 from .policy import Policy
-from .h3 import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, h3_tokens
-from .preflight import preflight
-from .runtime import runtime
+from .models.h3.dims import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, h3_tokens
+from .ui.preflight import preflight
+from .facts.devices import runtime
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         print(f"this machine runs {rt.sage_family}")
 
     section("guarded attention on H3-shaped strided views")
-    report.reset()
+    run_stats.reset()
     real = sage_kernel(rt) if dev.type == "cuda" else None
     if real is not None:
         S = a.tokens or 100_500
@@ -130,12 +130,12 @@ def main(argv=None) -> int:
     err = _rel(out, ref)
     tol = kernel.tolerance
     print(f"{label}, S={S:,}, {heads}x{d} heads, {str(dtype)[6:]} on {dev}: {dt * 1e3:.1f} ms")
-    for shape, plan in report.PLANS.items():
+    for shape, plan in run_stats.PLANS.items():
         print(f"plan for {shape}: {plan.split('; because')[0]}")
     print(f"relative L2 error vs fp32 reference: {err:.4f} (tolerance {tol}) -> {'OK' if err <= tol else 'FAIL'}")
-    print(f"probes: {report.STATS['probes']}, probe failures: {report.STATS['probe_failures']}, "
-          f"fallbacks: {report.STATS['fallbacks']}")
-    ok &= err <= tol and report.STATS["probe_failures"] == 0
+    print(f"probes: {run_stats.STATS['probes']}, probe failures: {run_stats.STATS['probe_failures']}, "
+          f"fallbacks: {run_stats.STATS['fallbacks']}")
+    ok &= err <= tol and run_stats.STATS["probe_failures"] == 0
 
     section("token-chunked H3 SwiGLU MLP")
     S_mlp = 38_000 if dev.type == "cuda" else 300

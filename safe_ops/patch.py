@@ -13,13 +13,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import compiler, contain, report
-from .attention import SafeAttention
-from .comfy_call import function_name, unguarded_kind
-from .mlp_patch import install_h3_mlp_patches
+from .facts import compiler
+from . import contain
+from .ui import run_stats
+from .attention.override import SafeAttention
+from .attention.call_forms import function_name, unguarded_kind
+from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
-from .runtime import explain_auto, runtime
-from .status import process_lines
+from .facts.devices import explain_auto, runtime
+from .ui.status import process_lines
 
 log = logging.getLogger("SafeSage")
 
@@ -37,7 +39,7 @@ def _forward_wrapper(executor, *args, **kwargs):
     try:
         return executor(*args, **kwargs)
     finally:
-        report.count("forwards")
+        run_stats.count("forwards")
 
 
 @contain.boundary
@@ -52,7 +54,7 @@ def _run_wrapper(executor, *args, **kwargs):
             compiler.new_run()
         except Exception as e:  # noqa: BLE001 - see contain.py
             contain.internal_error(e, "the sampling-run wrapper", "the next run keeps this run's plans")
-        report.count("sampling_runs")
+        run_stats.count("sampling_runs")
 
 
 def _diffusion_model(model_patcher) -> Any:
@@ -147,7 +149,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
                                                        if mlp_summary.get("removed") else "")
     for c in mlp_summary.get("conflicts", []) or []:
         warnings.append(f"MLP patch conflict: {c}")
-    report.set_info("mlp_patched", mlp_summary.get("patched", 0))
+    run_stats.set_info("mlp_patched", mlp_summary.get("patched", 0))
 
     # ComfyUI's own choice (--use-sage-attention / --use-ck-attention) read from its flags
     cand = attn.candidates(None)
@@ -161,7 +163,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         lines.append(f"H3 MLPs patched: {mlp_summary['patched']} (chunking {policy.mlp_chunking})")
     else:
         lines.append(f"H3 MLPs not patched: {mlp_summary.get('skipped')}")
-    lines += process_lines(report.snapshot())     # what earlier prompts switched off
+    lines += process_lines(run_stats.snapshot())     # what earlier prompts switched off
     for w in warnings:
         lines.append("WARNING: " + w)
         log.warning("SafeSage: %s", w)

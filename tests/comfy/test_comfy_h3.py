@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 
 from comfy_graphs import h3_graph, max_rel_diff, saved_latents, stats_delta
 
-from safe_ops.h3 import h3_tokens
+from safe_ops.models.h3.dims import h3_tokens
 
 # fp8-dequantized weights are identical on both paths; chunked MLP and the attention override only
 # change summation order in fp32 on CPU.

@@ -2,7 +2,7 @@
 SafeSage Attention node's status text.
 
 The token count the node reports comes from ComfyUI's own H3 code where the tree has H3
-(0dd9b154: temporal_shape + PackedLayout); safe_ops.h3.h3_tokens is SafeSage's copy of
+(0dd9b154: temporal_shape + PackedLayout); safe_ops.models.h3.dims.h3_tokens is SafeSage's copy of
 that arithmetic for ComfyUI versions without H3. Every pass compares the node's count with
 counts worked by hand (HAND_COUNTS); on an H3 tree, where the node counts with ComfyUI's code,
 SafeSage's copy is compared with it too (sizes that are and are not multiples of 32, with and
@@ -16,7 +16,7 @@ import re
 from comfy_graphs import SAFESAGE_DEFAULTS
 from comfy_server import has_minimax_h3
 
-from safe_ops.h3 import h3_tokens
+from safe_ops.models.h3.dims import h3_tokens
 
 PF_DEFAULTS = {"width": 1664, "height": 960, "length": 362, "ref_images": 0, "text_tokens": 256}
 

@@ -176,7 +176,7 @@ def test_fault_injection_h3_chunked_mlp_within_chunking_tolerance(comfy, tiny_h3
     rec = _run_suite(comfy, lambda out: h3_graph(unet, seed, out, safesage=H3_CHUNKED, **H3_SIZE),
                      "fault_h3ch", chunked, tol, True, covered)
     # the chunked MLP's own code is on the recorded path (else this scenario shows nothing of it)
-    assert any(f["key"].startswith("safe_ops/mlp.py:h3_mlp_forward:") for f in rec["functions"]), rec["functions"]
+    assert any(f["key"].startswith("safe_ops/models/h3/mlp.py:h3_mlp_forward:") for f in rec["functions"]), rec["functions"]
 
 
 def _comfy_fault(comfy, graph: dict, tag: str, target: str) -> None:

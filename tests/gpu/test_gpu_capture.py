@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from safe_ops import report
-from safe_ops.attention import SafeAttention
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
 from safe_ops.policy import Policy
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
@@ -30,7 +30,7 @@ HEADS = 56
 
 
 def test_capture_replays_the_override_bitwise():
-    report.reset()
+    run_stats.reset()
     kern = ga.sage_kern()
     att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[kern], rt=ga.bench_runtime())
     q, k, v = ga.h3_qkv(4096, "strided")
@@ -48,15 +48,15 @@ def test_capture_replays_the_override_bitwise():
         ga._noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    assert report.STATS["probes"] == 1 and report.STATS["probe_failures"] == 0
+    assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = block()
     graph.replay()
     torch.cuda.synchronize()
-    assert report.STATS["captured_calls"] == 1
+    assert run_stats.STATS["captured_calls"] == 1
     same_stream = not kern.envelope.launches_on_legacy_stream
-    assert report.STATS["captured_guarded"] == (1 if same_stream else 0), kern.family
+    assert run_stats.STATS["captured_guarded"] == (1 if same_stream else 0), kern.family
     reference = eager if same_stream else ga._noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
     assert torch.equal(out, reference), (kern.family, ga.rel_l2(out, reference))
     # new values in the same memory: the replay recomputes them
@@ -68,4 +68,4 @@ def test_capture_replays_the_override_bitwise():
     again = block() if same_stream else ga._noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
     torch.cuda.synchronize()
     assert torch.equal(out, again), (kern.family, ga.rel_l2(out, again))
-    assert report.STATS["captured_errors"] == 0 and report.STATS["internal_errors"] == 0
+    assert run_stats.STATS["captured_errors"] == 0 and run_stats.STATS["internal_errors"] == 0

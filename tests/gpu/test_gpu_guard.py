@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from safe_ops import report
+from safe_ops.ui import run_stats
 from safe_ops.policy import Policy
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
@@ -39,15 +39,15 @@ def _family_runs_here():
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    report.reset()
+    run_stats.reset()
     torch.cuda.empty_cache()
     yield
 
 
 def first_unsafe_strided() -> int:
     """The first H3 length whose strided call leaves the family's envelope (index rules)."""
-    from safe_ops.envelope_rules import first_unsafe
-    from safe_ops.h3 import h3_attention_call
+    from safe_ops.families.rules import first_unsafe
+    from safe_ops.models.h3.dims import h3_attention_call
     env = ga.sage_kern().envelope
     return first_unsafe(env, lambda n: h3_attention_call(n, arch="sm_90"), 1024, 700_000, rules=("index",))
 
@@ -65,7 +65,7 @@ def test_guarded_strided_past_int32_boundary(stream):
         o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
     torch.cuda.current_stream().wait_stream(st)
     torch.cuda.synchronize()
-    assert report.STATS["plan:direct"] == 0 and report.STATS["plan:sdpa"] == 0
+    assert run_stats.STATS["plan:direct"] == 0 and run_stats.STATS["plan:sdpa"] == 0
     err = ga.rel_l2(o, ref)
     assert err <= inlimit * 1.05 + 1e-4, (err, inlimit)
 
@@ -78,8 +78,8 @@ def test_unguarded_call_faults_or_is_wrong_in_a_subprocess():
 
 
 def test_probe_catches_a_kernel_wrong_on_the_tail():
-    from safe_ops.kernels import Kernel
-    from safe_ops.attention import SafeAttention
+    from safe_ops.families.kernels import Kernel
+    from safe_ops.attention.override import SafeAttention
     real = ga.sage_kern()
 
     def broken(q, k, v, layout, scale):
@@ -91,7 +91,7 @@ def test_probe_catches_a_kernel_wrong_on_the_tail():
     q, k, v = ga.h3_qkv(S, "strided")
     att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(real.envelope, broken, real.tolerance)])
     o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
-    assert report.STATS["probe_failures"] == 1
+    assert run_stats.STATS["probe_failures"] == 1
     assert ga.rel_l2(o, ga.sdpa(q, k, v)) < 1e-3      # the fallback's (SDPA) output was returned
 
 
@@ -99,7 +99,7 @@ def test_real_sage_passes_probe():
     q, k, v = ga.h3_qkv(38_000, "strided")
     att = ga.guarded(Policy(kernel="sage", verify="first"))
     att(ga._noop, q, k, v, 56, skip_reshape=True)
-    assert report.STATS["probes"] == 1 and report.STATS["probe_failures"] == 0
+    assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
 
 
 def _legacy_stream_kernel():
@@ -131,7 +131,7 @@ def test_legacy_stream_kernel_under_a_side_stream_is_correct_and_memory_returns(
         o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
         o2 = o * 1.0               # consumed on the side stream right away
     torch.cuda.current_stream().wait_stream(side)
-    assert report.STATS["stream_hops"] == 1
+    assert run_stats.STATS["stream_hops"] == 1
     err = ga.rel_l2(o2, ref)
     assert err <= att.kernels[ga.sage_kern().family].tolerance, err
     del o, o2
@@ -141,8 +141,8 @@ def test_legacy_stream_kernel_under_a_side_stream_is_correct_and_memory_returns(
 
 
 def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
-    from safe_ops.kernels import Kernel
-    from safe_ops.attention import SafeAttention
+    from safe_ops.families.kernels import Kernel
+    from safe_ops.attention.override import SafeAttention
     real = ga.sage_kern()
 
     def missing_extension(*a, **k):
@@ -152,13 +152,13 @@ def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
     q, k, v = ga.h3_qkv(38_000, "strided")
     att = SafeAttention(Policy(kernel="sage"), kernels=[Kernel(real.envelope, missing_extension, real.tolerance)])
     o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
-    assert report.STATS["kernel_errors"] == 1
+    assert run_stats.STATS["kernel_errors"] == 1
     assert ga.rel_l2(o, ga.sdpa(q, k, v)) < 1e-3
 
 
 def test_probe_catches_nan_in_a_tail_row_of_the_second_batch_element():
-    from safe_ops.kernels import Kernel
-    from safe_ops.attention import SafeAttention
+    from safe_ops.families.kernels import Kernel
+    from safe_ops.attention.override import SafeAttention
     real = ga.sage_kern()
 
     def nan_tail(q, k, v, layout, scale):
@@ -169,4 +169,4 @@ def test_probe_catches_nan_in_a_tail_row_of_the_second_batch_element():
     q, k, v = ga.h3_qkv(20_000, "strided_b2")
     att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(real.envelope, nan_tail, real.tolerance)])
     o = att(ga._noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
-    assert report.STATS["probe_failures"] == 1 and torch.isfinite(o).all()
+    assert run_stats.STATS["probe_failures"] == 1 and torch.isfinite(o).all()

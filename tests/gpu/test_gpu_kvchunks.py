@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from safe_ops import report
+from safe_ops.ui import run_stats
 from safe_ops.policy import Policy
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
@@ -32,8 +32,8 @@ def rel(a, b):
 
 
 def _att(kern):
-    from safe_ops.attention import SafeAttention
-    from safe_ops.runtime import runtime
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.facts.devices import runtime
     return SafeAttention(Policy(kernel="sage", verify="off"), kernels=[kern], rt=runtime())
 
 
@@ -46,7 +46,7 @@ def _noop(*a, **k):
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    report.reset()
+    run_stats.reset()
     torch.cuda.empty_cache()
     yield
 
@@ -55,8 +55,8 @@ def _fresh():
 def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
     """A 6,000-key rule forces 2+ key chunks at 12,000 tokens: error vs SDPA at the kernel's own
     (unchunked) level, and the LSE the kernel returns is consistent across chunks."""
-    from safe_ops.kernels import Kernel, sage2_kernel
-    from safe_ops.envelope_sage2 import KvLenRule
+    from safe_ops.families.kernels import Kernel, sage2_kernel
+    from safe_ops.families.sage2 import KvLenRule
     kern = sage2_kernel(fam)
     if kern is None:
         pytest.skip(f"{fam}: this sageattention build has no such function")
@@ -64,7 +64,7 @@ def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
         pytest.skip(f"{fam}: needs sm89+")
     env = dataclasses.replace(kern.envelope, extra_rules=kern.envelope.extra_rules
                               + (KvLenRule(fam, 6_000, "test", "test"),))
-    from safe_ops import planner
+    from safe_ops.attention import planner
     old = planner.MIN_KV_CHUNK
     planner.MIN_KV_CHUNK = 1024
     try:
@@ -78,8 +78,8 @@ def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
             # the build has the Python function but not its extension (e.g. sage2_sm90 in a
             # build made for 8.9): the call raised, the pack answered with SDPA -- check that
             # much, then say why the chunked part was not tested
-            assert report.STATS["kernel_errors"] == 1 and rel(o, ref) < 1e-2, dict(report.STATS)
-            why = next(iter(report.FALLBACKS), "no reason recorded")
+            assert run_stats.STATS["kernel_errors"] == 1 and rel(o, ref) < 1e-2, dict(run_stats.STATS)
+            why = next(iter(run_stats.FALLBACKS), "no reason recorded")
             print(f"\n[test_gpu_kvchunks] {fam}: fell back to SDPA ({why}); kv_chunks not tested")
             pytest.skip(f"{fam} raised at call time in this build, fell back to SDPA: {why}")
         plan = prepared.plan
@@ -93,8 +93,8 @@ def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
 
 
 def test_ck_int8_when_installed():
-    from safe_ops.kernels import ck_kernel
-    from safe_ops.runtime import runtime
+    from safe_ops.families.kernels import ck_kernel
+    from safe_ops.facts.devices import runtime
     kern = ck_kernel(runtime())
     if kern is None:
         pytest.skip(f"comfy-kitchen attention not usable here: {runtime().ck_error}")
@@ -106,9 +106,9 @@ def test_ck_int8_when_installed():
 
 def test_budget_sees_an_allocation_without_sync():
     """Allocating a third of free memory moves the budget down (no device sync involved)."""
-    from safe_ops.budget import FREE_MEMORY_FRACTION
-    from safe_ops.attention import SafeAttention
-    import safe_ops.budget as A
+    from safe_ops.facts.budget import FREE_MEMORY_FRACTION
+    from safe_ops.attention.override import SafeAttention
+    import safe_ops.facts.budget as A
     att = SafeAttention(Policy(verify="off"), kernels=[])
     A.BUDGET_POLL_S, old = 0.0, A.BUDGET_POLL_S
     try:
@@ -127,9 +127,9 @@ def test_kv_chunks_from_a_side_stream():
     """The legacy-stream hop with key chunks: same result from a side stream, and no growth of
     allocated memory once the call is done (every copy and chunk output allocator-ordered on the
     stream that reads it: nothing held)."""
-    from safe_ops.kernels import Kernel, sage2_kernel
-    from safe_ops.envelope_sage2 import KvLenRule
-    from safe_ops import planner
+    from safe_ops.families.kernels import Kernel, sage2_kernel
+    from safe_ops.families.sage2 import KvLenRule
+    from safe_ops.attention import planner
     kern = sage2_kernel("sage2_fp8pv_perwarp")
     if kern is None or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("per_warp FP8-PV kernel not available here")
@@ -149,7 +149,7 @@ def test_kv_chunks_from_a_side_stream():
             o = att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        assert report.STATS["plan:kv_chunks"] == 2 and report.STATS["stream_hops"] >= 1
+        assert run_stats.STATS["plan:kv_chunks"] == 2 and run_stats.STATS["stream_hops"] >= 1
         assert torch.equal(o, base) or rel(o, base) < 1e-3
         del o
         assert torch.cuda.memory_allocated() <= before + 1024

@@ -49,7 +49,8 @@ except Exception as e:  # noqa: BLE001
     print(f"\n[test_gpu_mlp_offload] skipped: ComfyUI with H3 does not import: {e!r}")
     pytest.skip(f"ComfyUI with H3 does not import: {e!r}", allow_module_level=True)
 
-from safe_ops import mlp, mlp_comfy, report  # noqa: E402
+from safe_ops.models.h3 import mlp, cast_memo
+from safe_ops.ui import run_stats  # noqa: E402
 
 HIDDEN, FFN, S, CHUNK = 1024, 2816, 4096, 512
 SLEEP_CYCLES = 50_000_000            # ~25 ms of the compute stream before the call
@@ -87,12 +88,12 @@ def _comfy_state(monkeypatch):
                         (mm, "get_cast_buffer"), (mm, "get_aimdo_cast_buffer")):
         fn = getattr(owner, name, None)
         if fn is not None:
-            while getattr(fn, mlp_comfy._MARK, False):
+            while getattr(fn, cast_memo._MARK, False):
                 fn = fn.__wrapped__
             monkeypatch.setattr(owner, name, fn)
     monkeypatch.setattr(mm, "STREAM_CAST_BUFFERS", {})
     monkeypatch.setattr(mm, "LARGEST_CASTED_WEIGHT", (None, 0))
-    report.reset()
+    run_stats.reset()
     yield
     torch.cuda.synchronize()
 
@@ -103,14 +104,14 @@ def _comfy_state(monkeypatch):
 def test_chunks_bitwise_comfys_under_real_offload_streams(monkeypatch, kind, cuda_malloc, delayed):
     assert mm.NUM_STREAMS == 2, f"ComfyUI's default: two offload streams on NVIDIA (got {mm.NUM_STREAMS})"
     monkeypatch.setattr(comfy.cli_args.args, "cuda_malloc", cuda_malloc)
-    stats = report.Section("gpu_mlp_offload", mlp.MLP_COUNTERS)
+    stats = run_stats.Section("gpu_mlp_offload", mlp.MLP_COUNTERS)
     stats.reset()
     m = _build(kind)
     x = torch.randn(S, HIDDEN, device="cuda", generator=torch.Generator("cuda").manual_seed(3)).to(torch.bfloat16)
     with torch.no_grad():
         want = _comfy_per_chunk(m, x)
         torch.cuda.synchronize()
-        assert mlp_comfy.install()
+        assert cast_memo.install()
         if delayed:
             torch.cuda._sleep(SLEEP_CYCLES)
         y = mlp.h3_mlp_forward(m, x, CHUNK, stats=stats)

@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-from safe_ops import report
-from safe_ops.kernels import Kernel
-from safe_ops.attention import SafeAttention
-from safe_ops.comfy_call import UnsupportedCall, normalise
-from safe_ops.envelope import SAGE1_TRITON, AttnCall, IndexTerm, TensorDesc, check
+from safe_ops.ui import run_stats as report
+from safe_ops.families.kernels import Kernel
+from safe_ops.attention.override import SafeAttention
+from safe_ops.attention.call_forms import UnsupportedCall, normalise
+from safe_ops.families.envelope import SAGE1_TRITON, AttnCall, IndexTerm, TensorDesc, check
 from safe_ops.policy import Policy
-from safe_ops.probe import Verifier
-from safe_ops.runtime import Runtime
+from safe_ops.attention.verification import Verifier
+from safe_ops.facts.devices import Runtime
 
 CPU_RT = Runtime("test", None, None, None, None, None, "test", None, None, None)
 
@@ -332,7 +332,7 @@ def test_normalise_rejects_what_it_cannot_read(args, kwargs, why):
 
 
 def test_verifier_failed_class_stays_failed():
-    from safe_ops.probe import Verdict
+    from safe_ops.attention.verification import Verdict
     ver = Verifier("first")
     key = ("x",)
     failed = Verdict(False, 1.0, 0.1)
@@ -424,7 +424,7 @@ def test_probe_checks_every_batch_element_middle_heads_and_tail_rows():
 
 def test_probe_fails_when_the_error_is_nan():
     """A NaN relative error (e.g. Inf - Inf in the kernel's output) must not be dropped by max()."""
-    from safe_ops.probe import compare
+    from safe_ops.attention.verification import compare
     q, k, v = (torch.randn(1, 4, 300, 16) for _ in range(3))
     good = reference(q, k, v).float()
     assert compare(good, q, k, v, None, 0.05).ok
@@ -444,7 +444,7 @@ def test_nan_inputs_everywhere_are_inconclusive_and_probed_again():
 
 
 def test_probe_rows_and_heads_cover_the_tail_and_the_middle():
-    from safe_ops.probe import TAIL_ROWS, probe_heads, probe_rows
+    from safe_ops.attention.verification import TAIL_ROWS, probe_heads, probe_rows
     rows = probe_rows(100_000).tolist()
     assert rows[0] == 0 and rows[-TAIL_ROWS:] == list(range(100_000 - TAIL_ROWS, 100_000))
     assert probe_heads(56) == (0, 18, 37, 55) and probe_heads(3) == (0, 1, 2)
@@ -452,7 +452,7 @@ def test_probe_rows_and_heads_cover_the_tail_and_the_middle():
 # ------------------------------------------------------------------ kv_chunks
 def lse_envelope(limit, centred=True, family="toy_sage2"):
     """The toy envelope plus a key-length rule (sm_120's kind) and the LSE capability."""
-    from safe_ops.envelope_sage2 import KvLenRule
+    from safe_ops.families.sage2 import KvLenRule
     env = toy_envelope(family)
     return dataclasses.replace(env, returns_lse=True, lse_centred_k=centred,
                                extra_rules=(KvLenRule(family, limit, "test", "toy length rule"),))
@@ -492,7 +492,7 @@ def test_auto_prices_kv_chunks_against_sdpa(small_kv_chunks, monkeypatch, toy_tf
     its kv_chunks plan pays its LSE kernel (x1.3 here): 2x faster still chunks, 5 % faster runs
     SDPA -- on purpose, so not counted as a fallback."""
     comfy = ComfyFunc()
-    from safe_ops import runtime as R
+    from safe_ops.facts import devices as R
     table = {"archs": {"sm_120": {"tflops": {"toy_sage2": toy_tflops, "sdpa": 0.001}}}}
     monkeypatch.setattr(R, "kernel_table", lambda: table)
     env = dataclasses.replace(lse_envelope(100), lse_time_factor=1.3)
@@ -511,7 +511,7 @@ def test_auto_prices_kv_chunks_against_sdpa(small_kv_chunks, monkeypatch, toy_tf
 @pytest.fixture
 def small_kv_chunks(monkeypatch):
     """CPU-sized key chunks: align to 16 tokens, no 4096-token minimum."""
-    from safe_ops import planner
+    from safe_ops.attention import planner
     monkeypatch.setattr(planner, "KV_ALIGN", 16)
     monkeypatch.setattr(planner, "MIN_KV_CHUNK", 16)
 
@@ -573,7 +573,7 @@ def test_kernel_without_lse_never_gets_kv_chunks(small_kv_chunks):
 
 
 def test_lse_merge_is_exact_and_shift_invariant():
-    from safe_ops.executor import lse_merge
+    from safe_ops.attention.executor import lse_merge
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
     s = 16 ** -0.5
@@ -587,7 +587,7 @@ def test_lse_merge_is_exact_and_shift_invariant():
 
 # ------------------------------------------------------------- budget and auto
 def test_budget_buckets():
-    from safe_ops.budget import BUDGET_STEP, budget_bucket
+    from safe_ops.facts.budget import BUDGET_STEP, budget_bucket
     assert budget_bucket(0) == 0 and budget_bucket(-5) == 0
     for n in (1, 1000, 3 * 2**30, 97 * 2**30):
         b = budget_bucket(n)
@@ -619,8 +619,8 @@ def test_plan_follows_the_budget_when_free_memory_moves():
 
 
 def test_auto_order_and_explanation(monkeypatch):
-    from safe_ops.comfy_call import unguarded_kind
-    from safe_ops.runtime import auto_order, explain_auto
+    from safe_ops.attention.call_forms import unguarded_kind
+    from safe_ops.facts.devices import auto_order, explain_auto
 
     def attention_sage(): pass                       # noqa: E704 -- other packs' functions: by name
     def attention_comfy_kitchen_int8(): pass         # noqa: E704
@@ -636,7 +636,7 @@ def test_auto_order_and_explanation(monkeypatch):
     line = explain_auto(rt, fams, "ck")
     assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
     assert explain_auto(rt, [], None).startswith("auto picked ComfyUI's own attention because no sage-family")
-    from safe_ops import runtime as R
+    from safe_ops.facts import devices as R
     table = {"archs": {"sm_120": {"tflops": {"sdpa": 300.0, "ck_int8": 500.0}}}}
     monkeypatch.setattr(R, "kernel_table", lambda: table)
     order, why = auto_order("sm_120", ["sage2_sm120_fp8pv", "ck_int8_pre236"], None)
@@ -651,15 +651,15 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
     import sys
     import types
 
-    import safe_ops.kernels as A
-    from safe_ops.sage_dispatch import SAGEATTN_CALL
+    import safe_ops.families.kernels as A
+    from safe_ops.families.sage_dispatch import SAGEATTN_CALL
     fake = types.ModuleType("sageattention")
     for name, _ in SAGEATTN_CALL.values():
         setattr(fake, name, lambda *a, **k: None)
     monkeypatch.setitem(sys.modules, "sageattention", fake)
     table = {"archs": {"sm_90": {"tflops": {"sdpa": 556.0, "sage2_fp8pv_perwarp": 700.0,
                                             "sage2_sm90": 650.0, "sage2_sm120_fp8pv": 900.0}}}}
-    monkeypatch.setattr("safe_ops.runtime.kernel_table", lambda: table)
+    monkeypatch.setattr("safe_ops.facts.devices.kernel_table", lambda: table)
     h200 = Runtime("t", None, "H200", (9, 0), "2.2.0", "sage2_sm90", None, None, None, None)
     fams = [k.family for k in A.installed_kernels(h200)]
     assert fams == ["sage2_sm90", "sage2_fp8pv_perwarp"]            # sm120 kernel does not run on sm_90
@@ -673,7 +673,7 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
 
 
 def test_ck_detection_by_version(monkeypatch):
-    import safe_ops.runtime as R
+    import safe_ops.facts.devices as R
     versions = {"comfy-kitchen": "0.2.26"}
     monkeypatch.setattr(R, "_dist_version", lambda name: versions.get(name))
     v, fam, err = R._ck_facts((12, 0))
@@ -691,7 +691,7 @@ def test_comfy_flags_name_the_configured_kernel(monkeypatch):
     import sys
     import types
 
-    from safe_ops.runtime import comfy_attention_choice
+    from safe_ops.facts.devices import comfy_attention_choice
     assert comfy_attention_choice() is None                          # ComfyUI not loaded
     cli = types.ModuleType("comfy.cli_args")
     cli.args = types.SimpleNamespace(use_ck_attention=True)
@@ -768,7 +768,7 @@ def test_only_sticky_cuda_errors_propagate(msg, sticky):
 
 
 def test_budget_is_read_at_most_every_poll_interval_and_bucketed(monkeypatch):
-    import safe_ops.budget as A
+    import safe_ops.facts.budget as A
     reads, clock = [], {"t": 100.0}
     free = {"b": 10 * 2**30}
 
@@ -790,7 +790,7 @@ def test_budget_is_read_at_most_every_poll_interval_and_bucketed(monkeypatch):
 
 
 def test_probe_reference_in_key_blocks_equals_whole_softmax():
-    from safe_ops.probe import reference_rows
+    from safe_ops.attention.verification import reference_rows
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(n, 16, generator=g) * 3 for n in (40, 5000, 5000))
     whole = torch.softmax(q.double() @ k.double().T * 0.25, -1) @ v.double()
@@ -799,7 +799,7 @@ def test_probe_reference_in_key_blocks_equals_whole_softmax():
 
 
 def test_probe_out_of_memory_is_inconclusive_not_a_failed_prompt(monkeypatch, caplog):
-    import safe_ops.attention as A
+    import safe_ops.attention.override as A
     att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
     q, k, v = h3_like(100)
     real = A.compare

@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-import safe_ops.attention as A
-import safe_ops.streams as S
-from safe_ops import report
-from safe_ops.attention import SafeAttention
-from safe_ops.kernels import Kernel
+import safe_ops.attention.override as A
+import safe_ops.attention.streams as S
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
+from safe_ops.families.kernels import Kernel
 from safe_ops.policy import Policy
 
 from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope
@@ -37,7 +37,7 @@ def capture(monkeypatch):
 
     monkeypatch.setattr(A, "compare", compare)
     monkeypatch.setattr(S, "StreamHop", no_hop)
-    report.reset()
+    run_stats.reset()
     return state
 
 
@@ -63,10 +63,10 @@ def test_capture_runs_the_plan_verified_earlier(capture):
     assert capture["probes"] == 1 and len(kern.launches) == 1 and capture["budget_reads"] > 0
     capture["on"] = True
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
-    assert len(kern.launches) == 2 and not comfy.calls and report.STATS["internal_errors"] == 0
+    assert len(kern.launches) == 2 and not comfy.calls and run_stats.STATS["internal_errors"] == 0
     assert capture["probes_in_capture"] == 0 and capture["budget_reads_in_capture"] == 0
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert report.STATS["captured_calls"] == 1 and report.STATS["captured_guarded"] == 1
+    assert run_stats.STATS["captured_calls"] == 1 and run_stats.STATS["captured_guarded"] == 1
 
 
 def test_capture_a_call_that_needs_a_probe_runs_comfys_function(capture):
@@ -78,7 +78,7 @@ def test_capture_a_call_that_needs_a_probe_runs_comfys_function(capture):
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert not kern.launches and len(comfy.calls) == 1
     assert capture["probes"] == 0 and capture["budget_reads"] == 0 and capture["probes_in_capture"] == 0
-    assert report.STATS["captured_calls"] == 1 and report.STATS["captured_guarded"] == 0
+    assert run_stats.STATS["captured_calls"] == 1 and run_stats.STATS["captured_guarded"] == 0
 
 
 def test_capture_a_plan_that_needs_a_stream_hop_runs_comfys_function(capture):

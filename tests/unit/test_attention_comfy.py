@@ -21,11 +21,11 @@ import types
 import pytest
 import torch
 
-from safe_ops import report
-from safe_ops.attention import SafeAttention
-from safe_ops.comfy_call import comfy_function, unguarded_kind
-from safe_ops.envelope import FAMILIES
-from safe_ops.kernels import Kernel
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
+from safe_ops.attention.call_forms import comfy_function, unguarded_kind
+from safe_ops.families.envelope import FAMILIES
+from safe_ops.families.kernels import Kernel
 from safe_ops.policy import Policy
 
 from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope
@@ -64,7 +64,7 @@ def comfy_attention(monkeypatch):
     att.attention_pytorch = _wrap_attn(pytorch)
     att.attention_sub_quad = _wrap_attn(attention_sub_quad)
     monkeypatch.setitem(sys.modules, "comfy.ldm.modules.attention", att)
-    report.reset()
+    run_stats.reset()
     return types.SimpleNamespace(module=att, pytorch=pytorch, sage_calls=sage_calls)
 
 
@@ -125,7 +125,7 @@ def test_unreadable_call_goes_to_comfy_too(comfy_attention):
     with pytest.raises(RuntimeError):          # ComfyUI's own function raises on it, as it would
         att(sage, *bad)
     assert len(comfy_attention.pytorch.calls) == 1 and not comfy_attention.sage_calls
-    assert "attention_pytorch" in next(iter(report.FALLBACKS))
+    assert "attention_pytorch" in next(iter(run_stats.FALLBACKS))
 
 
 # ------------------------------------------------------------------ composition
@@ -185,7 +185,7 @@ def test_previous_unguarded_sage_is_overruled_outside_its_limits_only(comfy_atte
     assert ran == [100] and len(comfy_attention.pytorch.calls) == 2
     msgs = [r.getMessage() for r in caplog.records if "would run toy_sage_installed unguarded" in r.getMessage()]
     assert len(msgs) == 1 and "patch_sage_attention_kj" in msgs[0]
-    assert report.STATS["previous_overruled"] == 2
+    assert run_stats.STATS["previous_overruled"] == 2
 
 
 def test_a_layer_gets_the_kernel_it_asked_for_guarded(comfy_attention):
@@ -219,7 +219,7 @@ def test_an_override_with_an_empty_closure_cell_is_read():
 
 
 def test_the_chained_overrides_limits_are_checked_once_per_call_signature(comfy_attention, monkeypatch):
-    import safe_ops.attention as A
+    import safe_ops.attention.override as A
     env = toy_envelope(family="toy_sage_checked")
     monkeypatch.setitem(FAMILIES, env.family, env)
     rt = CPU_RT.__class__(**{**CPU_RT.__dict__, "sage_family": env.family})

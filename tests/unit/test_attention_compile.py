@@ -19,9 +19,10 @@ import os
 import pytest
 import torch
 
-from safe_ops import opaque_op, report
-from safe_ops.attention import SafeAttention
-from safe_ops.kernels import Kernel
+from safe_ops.attention import opaque_op
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
+from safe_ops.families.kernels import Kernel
 from safe_ops.policy import Policy
 
 from comfy_attention_fn import attention
@@ -75,7 +76,7 @@ def _guarded(verify="first"):
 
 @pytest.fixture(autouse=True)
 def _reset():
-    report.reset()
+    run_stats.reset()
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -97,16 +98,16 @@ def test_graph_breaks_guarded_call_is_one_opaque_op():
     att, kern = _guarded()
     m = Toy({"optimized_attention_override": att})
     eager = m(x)                                   # plans and verifies (eagerly)
-    assert len(kern.launches) == 2 and report.STATS["probes"] == 1
+    assert len(kern.launches) == 2 and run_stats.STATS["probes"] == 1
     explained = _explain(m, x)
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
     assert _ops(explained) == 2                    # one opaque op per guarded call
-    report.reset()
+    run_stats.reset()
     before = len(kern.launches)
     compiled = torch.compile(m, backend="aot_eager")(x)
     # the op's body ran SafeSage's path at run time: the guarded kernel, counted there
     assert len(kern.launches) == before + 2
-    assert report.STATS["attention_calls"] == 2 and report.STATS["plan:direct"] == 2
+    assert run_stats.STATS["attention_calls"] == 2 and run_stats.STATS["plan:direct"] == 2
     assert torch.equal(compiled, eager)
 
 
@@ -122,9 +123,9 @@ def test_graph_breaks_guarded_call_falls_back_inside_the_op():
     x = _x()
     explained = _explain(m, x)
     assert explained.graph_break_count == 0 and _ops(explained) == 2
-    report.reset()
+    run_stats.reset()
     compiled = torch.compile(m, backend="aot_eager")(x)
-    assert not kern.launches and report.STATS["fallbacks"] == 2
+    assert not kern.launches and run_stats.STATS["fallbacks"] == 2
     torch.testing.assert_close(compiled, Toy({})(x), rtol=1e-6, atol=1e-6)
 
 

@@ -5,12 +5,13 @@ import dataclasses
 import pytest
 import torch
 
-from safe_ops import attention, report
-from safe_ops.attention import SafeAttention
-from safe_ops.envelope import SAGE1_TRITON
-from safe_ops.kernels import Kernel
+from safe_ops.attention import override as attention
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
+from safe_ops.families.envelope import SAGE1_TRITON
+from safe_ops.families.kernels import Kernel
 from safe_ops.policy import Policy
-from safe_ops.runtime import Runtime
+from safe_ops.facts.devices import Runtime
 
 BASE = Runtime("test", "13.0", "GPU", (8, 9), "2.2.0", "fam_sm89", None, "native", None, None)
 RTS = {0: BASE, 1: dataclasses.replace(BASE, device_name="GPU B", arch=(12, 0), sage_family="fam_sm120")}
@@ -33,7 +34,7 @@ def two_gpus(monkeypatch):
 
     monkeypatch.setattr(attention, "runtime", fake_runtime)
     monkeypatch.setattr(attention, "installed_kernels", fake_installed)
-    report.reset()
+    run_stats.reset()
     return asked
 
 
@@ -75,7 +76,7 @@ def test_an_error_in_safesages_own_code_never_fails_the_prompt(monkeypatch, capl
     """A bug in choosing a plan (here: a TypeError, as a bench's 0-argument runtime stand-in gave
     on the GPU) runs ComfyUI's own attention for the call, counted and logged once with its
     traceback; a sticky CUDA error is raised (nothing can be recomputed after it)."""
-    report.reset()
+    run_stats.reset()
     att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[], rt=RTS[0])
     calls = []
 
@@ -92,7 +93,7 @@ def test_an_error_in_safesages_own_code_never_fails_the_prompt(monkeypatch, capl
             out = att(comfy, q, q, q, 2, skip_reshape=True)
             assert torch.equal(out, torch.full((1, 5, 16), 3.0))
     assert len(calls) == 2
-    snap = report.snapshot()
+    snap = run_stats.snapshot()
     assert snap["internal_errors"] == 2 and snap["fallbacks"] == 2
     errors = [r for r in caplog.records if "internal error" in r.getMessage()]
     assert len(errors) == 1 and errors[0].exc_info is not None, "logged once, with the traceback"

@@ -4,10 +4,10 @@ and leaves the family on (executor.is_build_error)."""
 import pytest
 import torch
 
-from safe_ops import report
-from safe_ops.attention import SafeAttention
-from safe_ops.executor import is_build_error
-from safe_ops.kernels import Kernel
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
+from safe_ops.attention.executor import is_build_error
+from safe_ops.families.kernels import Kernel
 from safe_ops.policy import Policy
 
 from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope
@@ -15,9 +15,9 @@ from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, 
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    report.reset()
+    run_stats.reset()
     yield
-    report.reset()
+    run_stats.reset()
 
 
 def test_a_not_implemented_error_for_one_shape_falls_back_for_that_call_only():
@@ -37,8 +37,8 @@ def test_a_not_implemented_error_for_one_shape_falls_back_for_that_call_only():
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert len(refused) == 1 and len(comfy.calls) == 1, "the refused call ran ComfyUI's own attention"
-    assert report.STATS["call_fallbacks"] == 1 and report.STATS["kernel_errors"] == 0
-    assert not att.broken and not report.snapshot()["disabled_families"], "the family stays on"
+    assert run_stats.STATS["call_fallbacks"] == 1 and run_stats.STATS["kernel_errors"] == 0
+    assert not att.broken and not run_stats.snapshot()["disabled_families"], "the family stays on"
     # the next call, another shape: the family runs it
     q2, k2, v2 = h3_like(60)
     out2 = att(comfy, q2, k2, v2, 4, skip_reshape=True, skip_output_reshape=True)

@@ -16,8 +16,10 @@ import types
 import pytest
 import torch
 
-from safe_ops import budget, compiler, mlp, report
-from safe_ops.attention import SafeAttention
+from safe_ops.facts import budget, compiler
+from safe_ops.models.h3 import mlp
+from safe_ops.ui import run_stats as report
+from safe_ops.attention.override import SafeAttention
 from safe_ops.policy import Policy
 
 from lockcheck import CountingLock, Ledger, guard

@@ -1,4 +1,4 @@
-"""The MLP's cast wrappers (safe_ops/mlp_comfy.py) cost a compiled model nothing (issue 26 point 1).
+"""The MLP's cast wrappers (safe_ops/models/h3/cast_memo.py) cost a compiled model nothing (issue 26 point 1).
 
 Once SafeSage has patched a MiniMax H3 model, its wrappers sit in ``comfy.ops`` (and observe
 ``comfy.model_management``'s cast buffers) for the life of the process, so every model compiled
@@ -32,7 +32,8 @@ import comfy.model_patcher  # noqa: E402
 import comfy.ops  # noqa: E402
 from comfy.ldm.modules.attention import BasicTransformerBlock  # noqa: E402
 
-from safe_ops import mlp, mlp_comfy, report  # noqa: E402
+from safe_ops.models.h3 import mlp, cast_memo
+from safe_ops.ui import run_stats  # noqa: E402
 from safe_ops.patch import apply_safesage  # noqa: E402
 from safe_ops.policy import Policy  # noqa: E402
 
@@ -54,12 +55,12 @@ def _comfys_own_functions(monkeypatch):
         fn = getattr(owner, name, None)
         if fn is None:
             continue
-        while getattr(fn, mlp_comfy._MARK, False):
+        while getattr(fn, cast_memo._MARK, False):
             fn = fn.__wrapped__
         monkeypatch.setattr(owner, name, fn)
-    report.reset()
+    run_stats.reset()
     yield
-    report.reset()
+    run_stats.reset()
 
 
 def _patcher(dm):
@@ -116,10 +117,10 @@ def _patch_an_h3_model():
 @pytest.mark.skipif(h3 is None, reason="this ComfyUI has no MiniMax H3 (0.3.75): see the test below")
 def test_graph_breaks_of_a_comfy_model_unchanged_after_safesage_patched_h3():
     model, args = _comfy_model(), _inputs()
-    assert not mlp_comfy.installed()
+    assert not cast_memo.installed()
     before = _breaks(model, *args)
     _patch_an_h3_model()
-    assert mlp_comfy.installed(), "SafeSage's cast wrappers now sit in comfy.ops for the process"
+    assert cast_memo.installed(), "SafeSage's cast wrappers now sit in comfy.ops for the process"
     after = _breaks(model, *args)
     assert after == before, f"graph breaks without SafeSage {before}, after it patched an H3 model {after}"
     # the compiled model's casts went through the wrappers' compile branch: no memo, no scope
@@ -133,7 +134,7 @@ def test_graph_breaks_without_h3_the_wrappers_are_never_installed():
     before = _breaks(model, *args)
     mp, summary = apply_safesage(_patcher(model), Policy(kernel="sdpa"))
     assert summary["mlp"]["patched"] == 0 and not summary["mlp"]["cast_once"]
-    assert not mlp_comfy.installed(), "no H3 model patched: ComfyUI's cast functions untouched"
+    assert not cast_memo.installed(), "no H3 model patched: ComfyUI's cast functions untouched"
     for owner, name in WRAPPED:
-        assert not getattr(getattr(owner, name, None), mlp_comfy._MARK, False), name
+        assert not getattr(getattr(owner, name, None), cast_memo._MARK, False), name
     assert _breaks(model, *args) == before

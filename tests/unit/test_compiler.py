@@ -12,7 +12,9 @@ import types
 import pytest
 import torch
 
-from safe_ops import compiler, mlp, report
+from safe_ops.facts import compiler
+from safe_ops.models.h3 import mlp
+from safe_ops.ui import run_stats
 from safe_ops.policy import Policy
 
 from test_attention import h3_like, make_attn, raw, reference
@@ -41,7 +43,7 @@ def prefetch(monkeypatch):
     mod.malloc_graph_enabled = malloc_graph_enabled
     mod.pause_malloc_graph = pause_malloc_graph
     monkeypatch.setitem(sys.modules, "comfy.model_prefetch", mod)
-    report.reset()
+    run_stats.reset()
     return mod
 
 
@@ -58,7 +60,7 @@ def test_plan_kept_for_the_run_and_chosen_again_in_the_next(prefetch):
         att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
         launches.append(len(kern.launches))
     assert launches[0] == launches[1] == launches[2], "the same plan every step of the run"
-    assert report.STATS["replans"] == 0
+    assert run_stats.STATS["replans"] == 0
     compiler.new_run()                       # OUTER_SAMPLE ended: the next run reads the budget
     assert compiler.run_id() == run + 1
     kern.launches.clear()
@@ -81,11 +83,11 @@ def test_without_the_compiler_the_plan_follows_the_budget(prefetch):
         kern.launches.clear()
         att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
         launches.append(len(kern.launches))
-    assert launches[0] < launches[1] and launches[2] == launches[0] and report.STATS["replans"] == 1
+    assert launches[0] < launches[1] and launches[2] == launches[0] and run_stats.STATS["replans"] == 1
 
 
 def test_first_call_check_runs_with_the_graph_paused(prefetch, monkeypatch):
-    import safe_ops.attention as A
+    import safe_ops.attention.override as A
     seen = []
     real = A.compare
 
@@ -111,7 +113,7 @@ def test_no_model_prefetch_means_no_compiler_and_no_pause(monkeypatch):
 
 def test_mlp_auto_chunk_kept_for_the_run(prefetch, monkeypatch):
     free = {"b": 100 * 2**30}
-    monkeypatch.setattr("safe_ops.budget.free_device_bytes", lambda d: free["b"])
+    monkeypatch.setattr("safe_ops.facts.budget.free_device_bytes", lambda d: free["b"])
     dev = torch.device("cpu")
     a = mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev)
     free["b"] = 2 * 2**30                                    # a quarter of it: a smaller auto chunk

@@ -23,7 +23,7 @@ def test_an_error_raised_by_comfys_function_is_not_ours():
 
 
 def test_an_error_raised_in_safesages_own_code_called_by_comfy_is_ours():
-    from safe_ops import mlp_plan
+    from safe_ops.models.h3 import mlp_plan
 
     def comfy_calls_safesage():
         return mlp_plan.parse_chunk_setting(True)       # raises ValueError inside safe_ops/

@@ -28,7 +28,7 @@ def test_every_result_section_has_its_json_and_command(bench_tables):
 
 
 def test_kernel_table_sources_are_committed_results():
-    table = json.loads((REPO / "safe_ops" / "kernel_table.json").read_text())
+    table = json.loads((REPO / "safe_ops" / "facts" / "kernel_table.json").read_text())
     for arch, entry in table["archs"].items():
         cited = re.findall(r"(bench/results/[\w.-]+\.json)", entry["source"])
         assert cited, f"{arch}: the kernel table names no result file"

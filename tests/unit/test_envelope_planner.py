@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from safe_ops.envelope import I32_MAX, SAGE1_TRITON, SDPA, AttnCall, TensorDesc, check
-from safe_ops.planner import Plan, choose, plan_for
+from safe_ops.families.envelope import I32_MAX, SAGE1_TRITON, SDPA, AttnCall, TensorDesc, check
+from safe_ops.attention.planner import Plan, choose, plan_for
 
 H3_STRIDE = 3 * 56 * 128   # 21,504: the qkv_proj row of MiniMax H3
 
@@ -123,7 +123,7 @@ def test_repack_fixes_strided_overflow(S):
     assert p.extra_bytes == 2 * 56 * S * 128 * 2
     assert p.reasons and f"{S:,}" in p.reasons[0]
     # every launch of the plan is inside the envelope
-    from safe_ops.planner import _sub_call
+    from safe_ops.attention.planner import _sub_call
     assert not check(_sub_call(call, 56, S, p.repack, p.layout), SAGE1_TRITON)
 
 
@@ -177,8 +177,8 @@ def test_plan_is_printable_data():
 def test_sm120_length_rule_gets_key_chunks_not_sdpa():
     """sage2_sm120_fp8pv refuses kv_len >= 150,000 (SageAttention #388): past it the planner
     splits the keys into equal 128-multiples below the rule, merged by LSE -- not SDPA."""
-    from safe_ops.envelope_sage2 import FP8_SM120_MAX_KV_LEN, SAGE2_SM120_FP8PV
-    from safe_ops.planner import _sub_call
+    from safe_ops.families.sage2 import FP8_SM120_MAX_KV_LEN, SAGE2_SM120_FP8PV
+    from safe_ops.attention.planner import _sub_call
     for S in (150_000, 169_000, 230_000, 314_437):
         call = call_of(h3_view(S), layout="NHD")
         ch = choose(call, [SAGE2_SM120_FP8PV, SDPA])
@@ -196,8 +196,8 @@ def test_priced_choice_counts_the_lse_kernel():
     in-limit keeps its kv_chunks plan only while its LSE kernel (x1.048, measured) and merge
     still beat SDPA; below that margin SDPA runs, chosen on purpose (no fallback reasons). A
     family that cannot run the call at all still makes SDPA a fallback."""
-    from safe_ops.envelope_sage2 import LSE_TIME_FACTOR, SAGE2_SM120_FP8PV
-    from safe_ops.planner import estimated_us
+    from safe_ops.families.sage2 import LSE_TIME_FACTOR, SAGE2_SM120_FP8PV
+    from safe_ops.attention.planner import estimated_us
     call = call_of(h3_view(169_000), layout="NHD")
     kv = choose(call, [SAGE2_SM120_FP8PV, SDPA])                       # unpriced: first that fits
     assert kv.kind == "kv_chunks" and kv.time_factor == LSE_TIME_FACTOR == SAGE2_SM120_FP8PV.lse_time_factor
@@ -224,7 +224,7 @@ def test_priced_choice_counts_the_lse_kernel():
 
 def test_no_lse_no_key_chunks():
     """A family that cannot return its LSE (sage 1.0.6 sageattn) keeps length rules hard."""
-    from safe_ops.envelope_sage2 import KvLenRule
+    from safe_ops.families.sage2 import KvLenRule
     env = dataclasses.replace(SAGE1_TRITON, extra_rules=(KvLenRule("sage1_triton", 150_000, "t", "t"),))
     assert not env.returns_lse
     t = TensorDesc.contiguous((1, 56, 169_000, 128), "NHD")
@@ -249,7 +249,7 @@ def test_budget_counts_kernel_temporaries():
 def test_ck_pre236_boundary_is_issue_178():
     """comfy-kitchen 0.2.29-0.2.35: 299,520 keys pass, 299,521 raise (#178, RTX 5090 bisection):
     the packed V pads to cta_k=128, 56*128*299,648 > INT_MAX."""
-    from safe_ops.envelope_ck import CK_INT8, CK_INT8_PRE236
+    from safe_ops.families.ck_int8 import CK_INT8, CK_INT8_PRE236
     for layout in ("NHD", "HND"):
         ok = TensorDesc.contiguous((1, 56, 299_520, 128), layout)
         bad = TensorDesc.contiguous((1, 56, 299_521, 128), layout)
@@ -264,7 +264,7 @@ def test_ck_pre236_boundary_is_issue_178():
 
 
 def test_ck_within_head_limit_and_versions():
-    from safe_ops.envelope_ck import CK_INT8, ck_family_for
+    from safe_ops.families.ck_int8 import CK_INT8, ck_family_for
     long_ = TensorDesc.contiguous((1, 2, 17_000_000, 128), "HND")     # 17M x 128 > INT_MAX per head
     # each int8 copy's within-head offset (L*D: its head stride) passes int32
     assert {(v.tensor, v.axis) for v in check(call_of(long_), CK_INT8)} == {

@@ -1,10 +1,10 @@
 """SageAttention 2.2.0 envelopes: boundaries from the kernels' index arithmetic (pure data, no GPU)."""
 import pytest
 
-from safe_ops import envelope_sage2 as S2
-from safe_ops.envelope import FAMILIES, I32_MAX, U32_MAX, AttnCall, TensorDesc, check
-from safe_ops.planner import plan_for
-from safe_ops.sage_dispatch import RUNS_ON, SAGEATTN_CALL, sage_family_for
+from safe_ops.families import sage2 as S2
+from safe_ops.families.envelope import FAMILIES, I32_MAX, U32_MAX, AttnCall, TensorDesc, check
+from safe_ops.attention.planner import plan_for
+from safe_ops.families.sage_dispatch import RUNS_ON, SAGEATTN_CALL, sage_family_for
 from test_predictions_measured import KV_SECTION, assert_covers, assert_same_plan
 
 H3_STRIDE = 3 * 56 * 128   # 21,504: one row of MiniMax H3's fused qkv_proj output
@@ -265,8 +265,8 @@ def test_plans_match_the_committed_h200_families_run():
     import json
     from pathlib import Path
 
-    from safe_ops.h3 import h3_attention_call
-    from safe_ops.planner import plan_for
+    from safe_ops.models.h3.dims import h3_attention_call
+    from safe_ops.attention.planner import plan_for
     d = json.loads((Path(__file__).resolve().parents[2] / "bench/results/families_230k_h200.json").read_text())
     rows = [(row["S"], fam, r["plan"]) for row in d["sections"]["families"]["rows"]
             for fam, r in row["families"].items() if "plan" in r]
@@ -280,8 +280,8 @@ def test_smoothed_k_is_what_triton_quant_indexes():
     """sageattn's smooth_k (always on) quantises `k - km`, a dense NHD copy of H3's k view: past
     the strided limit only q needs a copy (issue 11: the caller's k was copied for nothing);
     k_smooth still limits the dense copy at 299,594 tokens (token stride 7,168)."""
-    from safe_ops.envelope import FAMILIES
-    from safe_ops.planner import plan_for
+    from safe_ops.families.envelope import FAMILIES
+    from safe_ops.attention.planner import plan_for
     for fam in ("sage2_sm90", "sage2_sm80", "sage2_sm89_fp8pv", "sage2_sm86_triton"):
         env = FAMILIES[fam]
         p = plan_for(call_of(h3_view(99_866), layout="NHD"), env)

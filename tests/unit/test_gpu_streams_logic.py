@@ -10,8 +10,9 @@ import os
 import pytest
 import torch
 
-from safe_ops import executor, report, streams
-from safe_ops.envelope import FAMILIES
+from safe_ops.attention import executor, streams
+from safe_ops.ui import run_stats
+from safe_ops.families.envelope import FAMILIES
 
 from test_streams import HOPPED, FakeCuda, fake_executor
 
@@ -29,9 +30,9 @@ def gs():
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    report.reset()
+    run_stats.reset()
     yield
-    report.reset()
+    run_stats.reset()
 
 
 @pytest.mark.parametrize("arm,trace", [

@@ -22,9 +22,9 @@ import comfy.cli_args  # noqa: E402
 comfy.cli_args.args.cpu = True
 import comfy.ldm.minimax.model  # noqa: E402,F401
 
-from safe_ops.h3 import (H3_HEAD_DIM, H3_HEADS, attention_call_here, comfy_v_layout,  # noqa: E402
-                         h3_attention_call, v_layout_here)
-from safe_ops.preflight_text import call_line  # noqa: E402
+from safe_ops.models.h3.dims import (H3_HEAD_DIM, H3_HEADS, attention_call_here, comfy_v_layout, h3_attention_call,
+                                     v_layout_here)
+from safe_ops.ui.preflight_text import call_line  # noqa: E402
 
 
 def _source_copies_v() -> bool:

@@ -1,4 +1,4 @@
-"""CPU tests of safe_ops.mlp's pure-torch chunk loop and safe_ops.mlp_plan (no ComfyUI needed).
+"""CPU tests of safe_ops.models.h3.mlp's pure-torch chunk loop and safe_ops.models.h3.mlp_plan (no ComfyUI needed).
 
 Numerics. Every step of the MLP is row independent, so a chunked MLP equals the same math run
 per chunk BITWISE (same code, same shapes), and equals the unchunked MLP within the tolerance
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from safe_ops import mlp, mlp_patch, mlp_plan
+from safe_ops.models.h3 import mlp, mlp_patch, mlp_plan
 
 from rowcount import assert_within, mlp_tolerance, per_chunk
 
@@ -169,7 +169,7 @@ def test_safe_ops_mlp_does_not_import_comfy():
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = ("import sys; import safe_ops.mlp as m; "
+    code = ("import sys; import safe_ops.models.h3.mlp as m; "
             "assert not any(k == 'comfy' or k.startswith('comfy.') for k in sys.modules), "
             "[k for k in sys.modules if k.startswith('comfy')]")
     env = dict(os.environ, PYTHONPATH=root)

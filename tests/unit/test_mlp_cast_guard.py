@@ -45,7 +45,8 @@ except Exception as e:  # pragma: no cover - 0.3.75
 if getattr(mm, "get_cast_buffer", None) is None:  # pragma: no cover
     pytest.skip("this ComfyUI has no comfy.model_management.get_cast_buffer", allow_module_level=True)
 
-from safe_ops import mlp, mlp_comfy, report  # noqa: E402
+from safe_ops.models.h3 import mlp, cast_memo as mlp_comfy
+from safe_ops.ui import run_stats  # noqa: E402
 
 from rowcount import per_chunk  # noqa: E402
 
@@ -146,12 +147,12 @@ def _restore(monkeypatch):
             while getattr(fn, mlp_comfy._MARK, False):
                 fn = fn.__wrapped__
             monkeypatch.setattr(owner, name, fn)
-    report.reset()
+    run_stats.reset()
 
 
 @pytest.fixture
 def stats():
-    s = report.Section("test_mlp_guard", mlp.MLP_COUNTERS)
+    s = run_stats.Section("test_mlp_guard", mlp.MLP_COUNTERS)
     s.reset()
     return s
 

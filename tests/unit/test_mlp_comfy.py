@@ -1,4 +1,4 @@
-"""safe_ops.mlp (H3's MLP chunked through ComfyUI's own forward) against ComfyUI's own classes (CPU).
+"""safe_ops.models.h3.mlp (H3's MLP chunked through ComfyUI's own forward) against ComfyUI's own classes (CPU).
 
 Needs a ComfyUI tree with MiniMax H3 (0dd9b154 or newer): set COMFYUI_PATH (`bash .ci/run` does,
 in its 0dd9b154 pass, where .ci/check_junit.py requires every test here to run). Without it
@@ -58,8 +58,9 @@ except Exception as e:  # pragma: no cover - environment
 if getattr(comfy.ops, "linear_input_act", None) is None:  # pragma: no cover
     pytest.skip("this ComfyUI has no comfy.ops.linear_input_act", allow_module_level=True)
 
-from safe_ops import h3 as h3_facts
-from safe_ops import mlp, mlp_comfy, mlp_patch, report
+from safe_ops.models.h3 import dims as h3_facts
+from safe_ops.models.h3 import mlp, cast_memo, mlp_patch
+from safe_ops.ui import run_stats
 
 from rowcount import assert_within, mlp_tolerance, per_chunk
 
@@ -79,8 +80,8 @@ class CastCounter:
         self.uncasts = 0
         self.log = log if log is not None else []
         cast, uncast = comfy.ops.cast_bias_weight, comfy.ops.uncast_bias_weight
-        cast = getattr(cast, "__wrapped__", cast) if getattr(cast, mlp_comfy._MARK, False) else cast
-        uncast = getattr(uncast, "__wrapped__", uncast) if getattr(uncast, mlp_comfy._MARK, False) else uncast
+        cast = getattr(cast, "__wrapped__", cast) if getattr(cast, cast_memo._MARK, False) else cast
+        uncast = getattr(uncast, "__wrapped__", uncast) if getattr(uncast, cast_memo._MARK, False) else uncast
 
         def counted_cast(*a, **k):
             self.casts += 1
@@ -94,7 +95,7 @@ class CastCounter:
 
         monkeypatch.setattr(comfy.ops, "cast_bias_weight", counted_cast)
         monkeypatch.setattr(comfy.ops, "uncast_bias_weight", counted_uncast)
-        assert mlp_comfy.install(), "this ComfyUI has cast_bias_weight / uncast_bias_weight"
+        assert cast_memo.install(), "this ComfyUI has cast_bias_weight / uncast_bias_weight"
 
 
 def _init_linear(lin, dtype, seed):
@@ -170,7 +171,7 @@ def _check(y, m, x, chunk, tag=""):
 
 @pytest.fixture
 def stats():
-    s = report.Section("test_mlp", mlp.MLP_COUNTERS)
+    s = run_stats.Section("test_mlp", mlp.MLP_COUNTERS)
     s.reset()
     return s
 
@@ -306,7 +307,7 @@ def test_a_cast_into_memoised_memory_drops_the_memo(monkeypatch, stats, caplog):
         return w, None, (object(), w, None)
     monkeypatch.setattr(comfy.ops, "cast_bias_weight", one_buffer_cast)
     monkeypatch.setattr(comfy.ops, "uncast_bias_weight", lambda s, *a: uncasts.append(s))
-    assert mlp_comfy.install()
+    assert cast_memo.install()
     x = _x(200, torch.float32)
     with caplog.at_level(logging.WARNING, logger="SafeSage.mlp"):
         y = mlp.h3_mlp_forward(m, x, 50, stats=stats)
@@ -400,7 +401,7 @@ def test_install_patches_every_h3_mlp_idempotent_and_reports_conflicts():
     n_expected = H3_CONFIG["num_layers"] + H3_CONFIG["token_refiner_num_layers"]
     r = mlp_patch.install_h3_mlp_patches(p, 32)
     assert r == {"patched": n_expected, "skipped": None, "conflicts": [], "removed": 0, "cast_once": True}
-    assert getattr(comfy.ops.cast_bias_weight, mlp_comfy._MARK, False), "ComfyUI's cast wrapped once"
+    assert getattr(comfy.ops.cast_bias_weight, cast_memo._MARK, False), "ComfyUI's cast wrapped once"
     wrapped = comfy.ops.cast_bias_weight
     keys = sorted(p.object_patches)
     assert keys == _mlp_keys(dm)

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from safe_ops import patch as patch_mod
-from safe_ops import report
-from safe_ops.attention import SafeAttention
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
 from safe_ops.policy import Policy
-from safe_ops.h3 import h3_attention_call, h3_tokens
-from safe_ops.preflight import preflight
-from safe_ops.runtime import Runtime
+from safe_ops.models.h3.dims import h3_attention_call, h3_tokens
+from safe_ops.ui.preflight import preflight
+from safe_ops.facts.devices import Runtime
 
 
 class FakePatcher:
@@ -57,7 +57,7 @@ def _rt(monkeypatch):
                                                  "OUTER_SAMPLE": "outer_sample"})
         monkeypatch.setitem(sys.modules, "comfy", sys.modules.get("comfy") or types.ModuleType("comfy"))
         monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
-    report.reset()
+    run_stats.reset()
 
 
 def test_clone_not_mutated_and_override_installed():
@@ -83,7 +83,7 @@ def test_idempotent_on_a_patched_model():
 def test_a_sampling_run_ends_even_if_it_raises():
     """The OUTER_SAMPLE wrapper ends the run for ComfyUI's compiler (plans chosen again next run),
     also when sampling raised; the per-forward wrapper only counts."""
-    from safe_ops import compiler
+    from safe_ops.facts import compiler
     m, _ = patch_mod.apply_safesage(FakePatcher())
     (outer,), = m.wrappers["outer_sample"].values()
     run = compiler.run_id()
@@ -96,9 +96,9 @@ def test_a_sampling_run_ends_even_if_it_raises():
     assert compiler.run_id() == run + 1
     assert outer(lambda x: x * 2, 21) == 42 and compiler.run_id() == run + 2
     (fwd,), = m.wrappers["diffusion_model"].values()
-    forwards = report.STATS["forwards"]
+    forwards = run_stats.STATS["forwards"]
     assert fwd(lambda: "out") == "out" and compiler.run_id() == run + 2
-    assert report.STATS["forwards"] == forwards + 1
+    assert run_stats.STATS["forwards"] == forwards + 1
 
 
 def test_an_override_already_on_the_model_is_chained_not_replaced():
@@ -167,8 +167,8 @@ def test_demo_runs_on_cpu(capsys):
 def test_v_layout_per_tree_changes_which_limits_h3_crosses():
     """783545f6 copies V (token stride 7,168): sage 2.2's u32 V terms then wrap 3x later than for
     0dd9b154's view (21,504), so at 199,730 tokens only the strided V crosses them."""
-    from safe_ops import envelope_sage2  # noqa: F401  (registers the sage 2.x families)
-    from safe_ops.envelope import FAMILIES, check
+    from safe_ops.families import sage2  # noqa: F401  (registers the sage 2.x families)
+    from safe_ops.families.envelope import FAMILIES, check
     strided = h3_attention_call(199_730)
     copied = h3_attention_call(199_730, v_layout="contiguous")
     assert copied.q == strided.q and copied.k == strided.k

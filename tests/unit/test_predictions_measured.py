@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from safe_ops import envelope_sage2  # noqa: F401  (registers the sage 2.x families)
-from safe_ops.envelope import FAMILIES, SAGE1_TRITON, AttnCall, TensorDesc
-from safe_ops.envelope_sage2 import KvLenRule
-from safe_ops.planner import plan_for
+from safe_ops.families import sage2  # noqa: F401  (registers the sage 2.x families)
+from safe_ops.families.envelope import FAMILIES, SAGE1_TRITON, AttnCall, TensorDesc
+from safe_ops.families.sage2 import KvLenRule
+from safe_ops.attention.planner import plan_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 HEADS, D = 56, 128

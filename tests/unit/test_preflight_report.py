@@ -1,5 +1,5 @@
-"""The SafeSage Preflight node's report (safe_ops.preflight's verdicts, worded by safe_ops.preflight_text)
-and the nodes' status lines (safe_ops.status) on given runtimes: this GPU, no GPU."""
+"""The SafeSage Preflight node's report (safe_ops.ui.preflight's verdicts, worded by safe_ops.ui.preflight_text)
+and the nodes' status lines (safe_ops.ui.status) on given runtimes: this GPU, no GPU."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from safe_ops import h3, status
-from safe_ops import preflight as pf
+from safe_ops.models.h3 import dims
+from safe_ops.ui import status
+from safe_ops.ui import preflight as pf
 from safe_ops.policy import Policy
-from safe_ops.preflight_text import preflight_report
-from safe_ops.runtime import Runtime
+from safe_ops.ui.preflight_text import preflight_report
+from safe_ops.facts.devices import Runtime
 
 REPO = Path(__file__).resolve().parents[2]
 H200_SAGE22 = Runtime("2.13", "13.0", "NVIDIA H200", (9, 0), "2.2.0", "sage2_sm90", None, "native", True, "0.30.0")
@@ -43,7 +44,7 @@ def test_budget_and_memory_warning_follow_free_memory():
     tight = _report(H200_SAGE22, free_bytes=2 * GiB, policy=Policy(kernel="sage"))
     assert any("exceed the 2.00 GiB free now" in w for w in tight["warnings"])
     (v,) = tight["verdicts"]
-    from safe_ops.budget import plan_budget_bytes
+    from safe_ops.facts.budget import plan_budget_bytes
     assert v.scenario.budget_bytes == plan_budget_bytes(2 * GiB)      # the runtime's own budget rule
     assert v.plan.peak_bytes <= v.scenario.budget_bytes
 
@@ -82,8 +83,8 @@ def test_policy_changes_the_plan_and_the_mlp_chunk():
 def test_comfy_count_absent_without_comfyui():
     """Outside ComfyUI (a fresh process with only the repository on the path) ComfyUI's own count
     is unavailable and the report falls back to SafeSage's arithmetic, saying so."""
-    code = ("from safe_ops.h3 import comfy_h3_tokens\nfrom safe_ops.preflight_text import preflight_report\n"
-            "from safe_ops.runtime import Runtime\n"
+    code = ("from safe_ops.models.h3.dims import comfy_h3_tokens\nfrom safe_ops.ui.preflight_text import preflight_report\n"
+            "from safe_ops.facts.devices import Runtime\n"
             "rt = Runtime('t', None, None, None, None, None, 'x', None, None, None)\n"
             "print(comfy_h3_tokens(1664, 960, 362))\n"
             "print(preflight_report(64, 64, 5, rt=rt, comfy_wants_sage=False)['text'].splitlines()[1])\n")
@@ -98,7 +99,7 @@ def test_token_arithmetic_pads_odd_latents_like_comfyui():
     # 976 / 16 = 61 latent rows, padded to 62 for the 2x2 patch: 31 token rows (not 976 // 32 = 30);
     # 560 / 16 = 35 -> 36: 18. 200 frames snap up to 209 = 17 * 12 + 5 on H3's grid: 12 * 5 + 2 = 62
     # latent frames (ComfyUI 0dd9b154's PackedLayout gives the same 34,596 video tokens).
-    t = h3.h3_tokens(976, 560, 200, ref_images=1, text_tokens=0)
+    t = dims.h3_tokens(976, 560, 200, ref_images=1, text_tokens=0)
     assert t.video == 62 * 31 * 18 == 34_596
     assert t.refs == 30 * 18                     # the reference is rounded to 960x576 first
     assert t.audio == 2 * 348                    # 209 / 24 s at 40 Hz = 348.3, stereo
@@ -182,8 +183,8 @@ def test_mlp_prediction_against_comfyuis_own_layers_on_the_h200():
 
 def test_gpu_runtime_without_a_readable_free_memory(monkeypatch):
     """free memory unknown (the runtime's reader fails): no budget, no memory warning, still a plan."""
-    import safe_ops.budget
-    monkeypatch.setattr(safe_ops.budget, "free_device_bytes", lambda device: None)
+    import safe_ops.facts.budget
+    monkeypatch.setattr(safe_ops.facts.budget, "free_device_bytes", lambda device: None)
     r = preflight_report(1664, 960, 362, ref_images=3, rt=H200_SAGE22, comfy_wants_sage=True)
     (v,) = r["verdicts"]
     assert v.scenario.budget_bytes is None and v.plan is not None

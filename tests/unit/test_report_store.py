@@ -6,11 +6,12 @@ import logging
 import pytest
 import torch
 
-from safe_ops import mlp, report
-from safe_ops.attention import SafeAttention
+from safe_ops.models.h3 import mlp
+from safe_ops.ui import run_stats as report
+from safe_ops.attention.override import SafeAttention
 from safe_ops.policy import Policy
-from safe_ops.probe import Verdict, Verifier
-from safe_ops.runtime import Runtime
+from safe_ops.attention.verification import Verdict, Verifier
+from safe_ops.facts.devices import Runtime
 
 from lockcheck import CountingLock, Ledger, guard
 
@@ -151,7 +152,7 @@ def test_per_signature_caches_are_bounded(monkeypatch):
 
 
 def test_the_node_status_shows_what_earlier_prompts_switched_off():
-    from safe_ops.status import process_lines
+    from safe_ops.ui.status import process_lines
     assert process_lines(report.snapshot()) == []
     report.disabled("sage2_sm90", "RuntimeError: SM90 kernel is not available")
     for i in range(5):

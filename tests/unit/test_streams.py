@@ -5,7 +5,7 @@ import weakref
 
 import torch
 
-from safe_ops.streams import StreamHop
+from safe_ops.attention.streams import StreamHop
 
 from test_attention import EnvelopeAssertingKernel, h3_like, make_attn, raw, reference
 
@@ -66,9 +66,9 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from safe_ops import report  # noqa: E402
-from safe_ops.executor import Executor  # noqa: E402
-from safe_ops.kernels import Kernel  # noqa: E402
+from safe_ops.ui import run_stats  # noqa: E402
+from safe_ops.attention.executor import Executor  # noqa: E402
+from safe_ops.families.kernels import Kernel  # noqa: E402
 
 from test_attention import toy_envelope  # noqa: E402
 
@@ -155,9 +155,9 @@ HOPPED = [("record", "caller", 0), ("wait", "legacy", 0),          # enter: lega
 
 @pytest.fixture
 def fresh_report():
-    report.reset()
+    run_stats.reset()
     yield
-    report.reset()
+    run_stats.reset()
 
 
 def test_executor_hops_a_legacy_stream_launch_and_back(monkeypatch, fresh_report):
@@ -168,7 +168,7 @@ def test_executor_hops_a_legacy_stream_launch_and_back(monkeypatch, fresh_report
     ex, plan, n = fake_executor(fake)
     ex.run(plan, n)
     assert fake.trace == HOPPED + [("record_stream", "caller")]
-    assert report.STATS["stream_hops"] == 1 and fake.current is fake.caller
+    assert run_stats.STATS["stream_hops"] == 1 and fake.current is fake.caller
 
 
 @pytest.mark.parametrize("current,legacy", [("legacy", True), ("caller", False)])
@@ -178,7 +178,7 @@ def test_executor_does_not_hop_when_not_needed(monkeypatch, fresh_report, curren
     fake = FakeCuda(current).install(monkeypatch)
     ex, plan, n = fake_executor(fake, legacy=legacy)
     ex.run(plan, n)
-    assert fake.trace == [("launch", current)] and report.STATS["stream_hops"] == 0
+    assert fake.trace == [("launch", current)] and run_stats.STATS["stream_hops"] == 0
 
 
 def test_executor_hop_exits_also_when_the_kernel_raises(monkeypatch, fresh_report):

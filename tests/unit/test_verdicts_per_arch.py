@@ -13,13 +13,14 @@ import dataclasses
 import pytest
 import torch
 
-from safe_ops import attention, report
-from safe_ops.attention import SafeAttention
-from safe_ops.kernels import Kernel
+from safe_ops.attention import override as attention
+from safe_ops.ui import run_stats
+from safe_ops.attention.override import SafeAttention
+from safe_ops.families.kernels import Kernel
 from safe_ops.policy import Policy
-from safe_ops.probe import Verifier
-from safe_ops.runtime import Runtime
-from safe_ops.status import process_lines
+from safe_ops.attention.verification import Verifier
+from safe_ops.facts.devices import Runtime
+from safe_ops.ui.status import process_lines
 
 from test_attention import ComfyFunc, EnvelopeAssertingKernel, corrupt_tail, reference, toy_envelope
 
@@ -46,9 +47,9 @@ class GpuKernel(EnvelopeAssertingKernel):
 
 @pytest.fixture(autouse=True)
 def _fresh():
-    report.reset()
+    run_stats.reset()
     yield
-    report.reset()
+    run_stats.reset()
 
 
 def two_sites(monkeypatch, kind, a, b, verify="first"):
@@ -92,10 +93,10 @@ def test_verdicts_per_arch_a_pass_on_one_does_not_skip_the_check_on_the_other(mo
     ga, gb, kerns = two_sites(monkeypatch, kind, "ok", "wrong")
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert report.STATS["probes"] == 1 and report.STATS["probe_failures"] == 0
+    assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
     out = call(gb, q, k, v)
     assert len(kerns["B"].launches) == 1, "B ran the family"
-    assert report.STATS["probes"] == 2 and report.STATS["probe_failures"] == 1, "B's call was checked on its own"
+    assert run_stats.STATS["probes"] == 2 and run_stats.STATS["probe_failures"] == 1, "B's call was checked on its own"
     assert_correct(out, q, k, v)
 
 
@@ -105,9 +106,9 @@ def test_verdicts_per_arch_a_failure_on_one_does_not_switch_the_family_off_on_th
     ga, gb, kerns = two_sites(monkeypatch, kind, "wrong", "ok")
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert report.STATS["probe_failures"] == 1
+    assert run_stats.STATS["probe_failures"] == 1
     assert_correct(call(gb, q, k, v), q, k, v)
-    assert len(kerns["B"].launches) == 1 and report.STATS["probes"] == 2 and report.STATS["probe_failures"] == 1
+    assert len(kerns["B"].launches) == 1 and run_stats.STATS["probes"] == 2 and run_stats.STATS["probe_failures"] == 1
 
 
 @pytest.mark.parametrize("kind", ["arch", "build"])
@@ -118,13 +119,13 @@ def test_verdicts_per_arch_a_failure_on_one_never_lets_the_other_return_unchecke
     output unchecked (A's fallback clears only A's cached plans)."""
     ga, gb, kerns = two_sites(monkeypatch, kind, "wrong", "wrong")
     call(gb, *qkv(nan=True))
-    assert report.STATS["probes"] == 1 and not gb.verifier.verdicts(), "inconclusive: nothing recorded"
+    assert run_stats.STATS["probes"] == 1 and not gb.verifier.verdicts(), "inconclusive: nothing recorded"
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert report.STATS["probe_failures"] == 1
+    assert run_stats.STATS["probe_failures"] == 1
     out = call(gb, q, k, v)
     assert_correct(out, q, k, v)
-    assert report.STATS["probe_failures"] == 2, "B's output was checked and failed on its own"
+    assert run_stats.STATS["probe_failures"] == 2, "B's output was checked and failed on its own"
 
 
 @pytest.mark.parametrize("kind", ["arch", "build"])
@@ -135,14 +136,14 @@ def test_verdicts_per_arch_a_build_error_on_one_does_not_disable_the_other(monke
     ga, gb, kerns = two_sites(monkeypatch, kind, "refuse", "ok", verify="off")
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert report.STATS["kernel_errors"] == 1 and FAM in ga.broken
+    assert run_stats.STATS["kernel_errors"] == 1 and FAM in ga.broken
     assert_correct(call(gb, q, k, v), q, k, v)
     assert len(kerns["B"].launches) == 1 and not gb.broken, "the family still runs on B"
     call(ga, *qkv(S=64))
-    assert report.STATS["kernel_errors"] == 1 and report.STATS["plan:sdpa"] == 1, "not tried again on A"
+    assert run_stats.STATS["kernel_errors"] == 1 and run_stats.STATS["plan:sdpa"] == 1, "not tried again on A"
     site_a = RT_A.kernel_site(FAM)
-    assert list(report.snapshot()["disabled_families"]) == [f"{FAM} on {site_a}"]
-    line, = process_lines(report.snapshot())
+    assert list(run_stats.snapshot()["disabled_families"]) == [f"{FAM} on {site_a}"]
+    line, = process_lines(run_stats.snapshot())
     assert line.startswith(f"WARNING: {FAM} on sm_89 (sageattention 2.2.0, /site-a/sageattention/_qattn_sm89.so) "
                            "is off for this ComfyUI process") and "no kernel image" in line
     # a SafeSage node applied later in the process knows it too, for A only
@@ -165,11 +166,11 @@ def test_verdicts_per_layout_an_hnd_pass_does_not_cover_an_nhd_call(monkeypatch)
                         rt=RT_A)
     q, k, v = qkv()
     assert_correct(call(att, q, k, v), q, k, v)                           # HND caller
-    assert report.STATS["probes"] == 1 and report.STATS["probe_failures"] == 0
+    assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
     qn, kn, vn = (t.transpose(1, 2).flatten(2) for t in (q, k, v))          # the same call, NHD caller
     out = att(ComfyFunc(), qn, kn, vn, 4)
     assert [lay for _, lay in real.launches] == ["HND", "NHD"], "the NHD call ran the family in NHD"
-    assert report.STATS["probes"] == 2 and report.STATS["probe_failures"] == 1
+    assert run_stats.STATS["probes"] == 2 and run_stats.STATS["probe_failures"] == 1
     torch.testing.assert_close(out.double(), reference(q, k, v).transpose(1, 2).flatten(2), rtol=1e-4, atol=1e-4)
 
 
@@ -179,7 +180,7 @@ def test_the_kernel_build_is_the_file_of_its_loaded_extension(monkeypatch):
     import sys
     import types
 
-    from safe_ops.runtime import loaded_build_file
+    from safe_ops.facts.devices import loaded_build_file
     pkg = types.ModuleType("toy_kernels")
     pkg.__file__ = "/site/toy_kernels/__init__.py"
     monkeypatch.setitem(sys.modules, "toy_kernels", pkg)

@@ -91,12 +91,12 @@ def _startup():
 
 def safesage_sees_arch(arch: str, modules=None) -> list[str]:
     """Bind SafeSage's runtime, as it reads on ``arch``, wherever a loaded module holds the real
-    ``runtime`` function of a loaded safe_ops.runtime (SafeSage is loaded under its folder's name).
+    ``runtime`` function of a loaded safe_ops.facts.devices (SafeSage is loaded under its folder's name).
     Returns the modules changed."""
     modules = sys.modules if modules is None else modules
     changed = []
     for name, rtm in list(modules.items()):
-        if not name.endswith("safe_ops.runtime") or not hasattr(rtm, "sage_family_for"):
+        if not name.endswith("safe_ops.facts.devices") or not hasattr(rtm, "sage_family_for"):
             continue
         real = vars(rtm).get("_repro_real_runtime") or rtm.runtime
         fake = benchutil.emulated_runtime(arch, rtm=rtm, real=real())

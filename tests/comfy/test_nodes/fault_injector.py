@@ -39,7 +39,7 @@ import folder_paths
 ALIAS = "safesage_fault_injector"           # the raising code finds this module under this name
 PACK_DIR_NAME = "ComfyUI-SafeSage"
 SUBDIRS = ("safe_ops", "nodes")
-BOUNDARY_FILES = ("safe_ops/contain.py", "safe_ops/report.py")
+BOUNDARY_FILES = ("safe_ops/contain.py", "safe_ops/ui/run_stats.py")
 WRAPPER_KEY = "safesage_fault_test"
 
 _lock = threading.Lock()

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .envelope import TensorDesc
+from ..families.envelope import TensorDesc
 
 
 def _dtype_name(dt: torch.dtype) -> str:

@@ -5,8 +5,8 @@ block of lines per scenario, comfy-kitchen's lines, and plain-language warnings.
 """
 from __future__ import annotations
 
-from .envelope import FAMILIES
-from .h3 import H3_HEAD_DIM, H3_HEADS, H3_LAYERS, H3_TEXT_TOKENS, h3_frame_count, v_layout_here
+from ..families.envelope import FAMILIES
+from ..models.h3.dims import H3_HEAD_DIM, H3_HEADS, H3_LAYERS, H3_TEXT_TOKENS, h3_frame_count, v_layout_here
 from .preflight import Assessment, CkVerdict, Verdict, arch_name, assess
 
 GiB = 2 ** 30

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sage_dispatch import sage_family_for
+from ..families.sage_dispatch import sage_family_for
 
 _TABLE_PATH = os.path.join(os.path.dirname(__file__), "kernel_table.json")
 
@@ -155,7 +155,7 @@ def loaded_build_file(package: str) -> str | None:
 def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str | None]:
     """comfy-kitchen's version, the envelope family of its int8_attention, or why not usable."""
     version = _dist_version("comfy-kitchen")
-    from .envelope_ck import ck_family_for
+    from ..families.ck_int8 import ck_family_for
     if version is None:
         # importable without package metadata (a bare PYTHONPATH copy): version unknown,
         # so the conservative (0.2.29-0.2.35) envelope
@@ -264,7 +264,7 @@ def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) ->
         why = (f"it measured fastest on {arch_name} ({tflops[first]:.0f} TFLOP/s"
                + (f"; {rest}" if rest else "")
                + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
-               + "; safe_ops/kernel_table.json)")
+               + "; safe_ops/facts/kernel_table.json)")
         return order, why
     wanted = [f for f in families if comfy_choice is not None and family_kind(f) == comfy_choice]
     others = [f for f in families if f not in wanted]

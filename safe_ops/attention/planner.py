@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from .envelope import AttnCall, Envelope, TensorDesc, check
+from ..families.envelope import AttnCall, Envelope, TensorDesc, check
 
 # Cost model constants: bytes per microsecond an HBM copy moves (read + write
 # counted separately), and the fixed cost of one extra launch sequence.

@@ -84,7 +84,7 @@ from typing import Callable
 from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
 from . import sage2_temp_bytes as B
 from .sage2_temp_bytes import ceil_to
-from .envelope_rules import KvLenRule
+from .rules import KvLenRule
 
 TAG = "v2.2.0"
 TAG_COMMIT = "eb615cf6cf4d221338033340ee2de1c37fbdba4a"

@@ -28,8 +28,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import compiler, contain, opaque_op, report
-from .comfy_call import UnsupportedCall, comfy_function, normalise
+from ..facts import compiler
+from .. import contain
+from . import opaque_op
+from ..ui import run_stats
+from .call_forms import UnsupportedCall, comfy_function, normalise
 from .executor import is_cuda_error
 
 log = logging.getLogger("SafeSage")
@@ -83,7 +86,7 @@ class ContextCalls:
             any(f != "sdpa" for f in self.kernels)
             or (self._own_kernels and torch.cuda.is_available() and torch.cuda.device_count() > 1))
         if opaque_op.OP is None and (self._may_guard or self.previous_kind is not None):
-            report.once(("no-custom-op",), logging.WARNING,
+            run_stats.once(("no-custom-op",), logging.WARNING,
                         "SafeSage: this torch (%s) has no torch.library.custom_op: under torch.compile its "
                         "attention calls run ComfyUI's own attention function", torch.__version__)
 
@@ -91,8 +94,8 @@ class ContextCalls:
         if _is_compiling():
             return self._compiled_call(func, args, kwargs)
         if INSIDE_KW in kwargs or INSIDE.get():
-            report.count("nested_calls")
-            report.once(("nested",), logging.INFO, "SafeSage: another SafeSage override runs inside this one "
+            run_stats.count("nested_calls")
+            run_stats.once(("nested",), logging.INFO, "SafeSage: another SafeSage override runs inside this one "
                         "(through an override chained between them): the outermost decides, the inner one "
                         "runs what ComfyUI would run")
             return self._passthrough(func, args, kwargs, compiled=False)
@@ -126,10 +129,10 @@ class ContextCalls:
 
     # ------------------------------------------------------------------ CUDA-graph capture
     def _captured_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        report.count("captured_calls")
+        run_stats.count("captured_calls")
         if self.layer_functions:
             func = self._layer_function(kwargs, func)
-        report.once(("capture",), logging.INFO, "SafeSage: attention calls during CUDA-graph capture run a "
+        run_stats.once(("capture",), logging.INFO, "SafeSage: attention calls during CUDA-graph capture run a "
                     "same-stream kernel planned and verified earlier, else ComfyUI's own function (no stream "
                     "hop, no check, no memory read)")
         try:
@@ -143,12 +146,12 @@ class ContextCalls:
             except Exception as e:          # noqa: BLE001 - this call goes to ComfyUI's function
                 if is_cuda_error(e):
                     raise
-                report.count("captured_errors")
-                report.once(("capture-error", plan.kernel, type(e).__name__), logging.WARNING,
+                run_stats.count("captured_errors")
+                run_stats.once(("capture-error", plan.kernel, type(e).__name__), logging.WARNING,
                             "SafeSage: %s raised during CUDA-graph capture (%s: %s); ComfyUI's own function runs "
                             "this call", plan.kernel, type(e).__name__, e)
             else:
-                report.count("captured_guarded")
+                run_stats.count("captured_guarded")
                 return n.finish(out)
         return self._passthrough(func, args, kwargs, compiled=False)
 

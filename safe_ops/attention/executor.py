@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 
-from .comfy_call import Normalised
+from .call_forms import Normalised
 from .streams import legacy_hop, run_hopped
-from .kernels import Kernel
+from ..families.kernels import Kernel
 from .planner import Plan
-from . import report
+from ..ui import run_stats
 
 # CUDA errors that leave the context unusable (sticky): nothing can be recomputed after them.
 # Others ("no kernel image is available", "invalid device function": a build for another GPU)
@@ -82,7 +82,7 @@ class Executor:
         if hop is None:
             out = self._launch_all(plan, kern, n)
         else:
-            report.count("stream_hops")
+            run_stats.count("stream_hops")
             out = run_hopped(hop, lambda: self._launch_all(plan, kern, n))
         if self.debug_sync and dev.type == "cuda":
             try:

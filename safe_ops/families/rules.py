@@ -1,6 +1,6 @@
 """Rules every kernel family can carry beyond its index terms, and the search for a family's limit.
 
-An :class:`~safe_ops.envelope.Envelope` is data: index terms on the call's roles (evaluated by
+An :class:`~safe_ops.families.envelope.Envelope` is data: index terms on the call's roles (evaluated by
 ``envelope.check``) plus ``extra_rules``, callables ``rule(call) -> [Violation]`` for limits
 that are not index arithmetic. The rule classes here are the shared ones, used by any family:
 

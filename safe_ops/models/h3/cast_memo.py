@@ -41,7 +41,8 @@ from typing import Any
 
 import torch
 
-from . import contain, report
+from ... import contain
+from ...ui import run_stats
 
 log = logging.getLogger("SafeSage.mlp")
 
@@ -233,7 +234,7 @@ class _Scope:
         uncasts run now). Returns the entries given back."""
         try:
             self.stats.bump("cast_faults")
-            if report.once(("mlp-cast-fault", type(e).__name__, str(e)[:120]), logging.DEBUG, "cast fault"):
+            if run_stats.once(("mlp-cast-fault", type(e).__name__, str(e)[:120]), logging.DEBUG, "cast fault"):
                 log.error("SafeSage MLP: internal error in the cast memo (please report it, with this "
                           "traceback); this MLP call casts as ComfyUI does", exc_info=e)
         except Exception:  # noqa: BLE001 - the count is best effort, the fallback is not

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from .budget import mlp_budget_bytes
-from .h3 import H3_FFN, H3_HIDDEN
+from ...facts.budget import mlp_budget_bytes
+from .dims import H3_FFN, H3_HIDDEN
 
 #: token counts the planner rounds to
 CHUNK_ALIGN = 256

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .envelope import AttnCall, TensorDesc
+from ...families.envelope import AttnCall, TensorDesc
 
 # MiniMax H3 at 0dd9b154 (comfy/ldm/minimax/model.py, comfy_extras/nodes_minimax_h3.py)
 H3_HEADS = 56

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .versions import version_tuple
+from ..facts.versions import version_tuple
 
 # What sageattn 2.2.0 runs, by compute capability.
 _SAGE22_DISPATCH: dict[tuple[int, int], str] = {

@@ -8,8 +8,8 @@ call these through ``nodes/_backend.py`` and stay thin.
 """
 from __future__ import annotations
 
-from .envelope import FAMILIES
-from .h3 import h3_tokens, is_h3_model
+from ..families.envelope import FAMILIES
+from ..models.h3.dims import h3_tokens, is_h3_model
 from .preflight import ck_verdicts, register_sage2, scenarios_for, verdict
 from .preflight_text import ck_lines
 
@@ -19,7 +19,7 @@ def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
     GPU's sage kernel runs as called, and the plan for the reporter's 1664x960x362 graph."""
     register_sage2()
     if comfy_wants_sage is None:
-        from .runtime import comfy_attention_choice
+        from ..facts.devices import comfy_attention_choice
         comfy_wants_sage = comfy_attention_choice() == "sage"
     S = h3_tokens(1664, 960, 362, ref_images=3).total
     out = []
@@ -64,8 +64,8 @@ def model_context(model_patcher) -> tuple:
     """(Policy, note) for a ModelPatcher handed to the Preflight node: the policy of a SafeSage
     Attention node upstream (its override on the model) or the defaults, and a line saying
     which, and whether the model is MiniMax H3."""
-    from .attention import SafeAttention
-    from .policy import Policy
+    from ..attention.override import SafeAttention
+    from ..policy import Policy
     if model_patcher is None:
         return Policy(), ("model: not connected; SafeSage Attention's default settings assumed "
                           "(connect its MODEL output to use its settings)")

@@ -30,7 +30,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import compiler, contain, mlp_comfy, report
+from ...facts import compiler
+from ... import contain
+from . import cast_memo
+from ...ui import run_stats
 from .mlp_plan import parse_chunk_setting, resolve_chunk
 
 log = logging.getLogger("SafeSage.mlp")
@@ -52,7 +55,7 @@ MLP_COUNTERS = (
     "cast_faults",      # errors in the cast memo's own code: that cast ran ComfyUI's own, memo dropped
     "internal_errors",  # calls where SafeSage's own code raised: ComfyUI's forward ran instead (contain.py)
 )
-MLP_STATS = report.Section("mlp", MLP_COUNTERS, "SafeSage MLP: running ComfyUI's unchunked MLP ({reason})")
+MLP_STATS = run_stats.Section("mlp", MLP_COUNTERS, "SafeSage MLP: running ComfyUI's unchunked MLP ({reason})")
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,7 +161,7 @@ def chunk_for_call(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: tor
         c = resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
         with _RUN_CHUNKS_LOCK:
             c = _RUN_CHUNKS.setdefault(key, c)     # another thread's choice for this run, if first
-            report.trim(_RUN_CHUNKS)       # the store's bound; the oldest (earlier runs') go first
+            run_stats.trim(_RUN_CHUNKS)       # the store's bound; the oldest (earlier runs') go first
     return c
 
 
@@ -175,7 +178,7 @@ def _unpatched(module, x):
 
 
 def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any = "auto",
-                   stats: report.Section = MLP_STATS, budget_bytes: int | None = None) -> torch.Tensor:
+                   stats: run_stats.Section = MLP_STATS, budget_bytes: int | None = None) -> torch.Tensor:
     """Replacement for an H3 ``MLP.forward``: ComfyUI's own forward per token chunk, each Linear
     cast once per call (mlp_comfy.cast_once); ComfyUI's unchunked forward where chunking is not
     needed or could change the numbers (counted, logged once per reason)."""
@@ -201,9 +204,9 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
 
     stats.bump("chunked_calls")
     n = -(-S // c)
-    with mlp_comfy.cast_once(layers, stats) as scope:
+    with cast_memo.cast_once(layers, stats) as scope:
         y = run_chunked(lambda xc: _unpatched(module, xc), x, c)
-    own = [type(m).__name__ for m in layers if id(m) not in scope.seen and mlp_comfy.casts_itself(m)]
+    own = [type(m).__name__ for m in layers if id(m) not in scope.seen and cast_memo.casts_itself(m)]
     if own and scope.active:
         # GGUF and other packs' layers cast in their own code, not through comfy.ops: correct,
         # but every chunk casts again

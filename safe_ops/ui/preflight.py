@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .envelope import FAMILIES, check
-from .h3 import (H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_TEXT_TOKENS, H3Tokens, attention_call_here,
-                 packed_tokens)
-from .planner import Plan, choose, plan_for
+from ..families.envelope import FAMILIES, check
+from ..models.h3.dims import (H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_TEXT_TOKENS, H3Tokens, attention_call_here,
+                              packed_tokens)
+from ..attention.planner import Plan, choose, plan_for
 
 
 def preflight(S: int, families: list[str] | None = None, budget_bytes: int | None = None) -> list[dict]:
@@ -40,7 +40,7 @@ def preflight(S: int, families: list[str] | None = None, budget_bytes: int | Non
 def register_sage2() -> None:
     """Register the sage 2.x families in ``FAMILIES`` (when that module imports here)."""
     try:
-        from . import envelope_sage2  # noqa: F401  (registers the sage 2.x families)
+        from ..families import sage2  # noqa: F401  (registers the sage 2.x families)
     except ImportError:
         pass
 
@@ -88,8 +88,8 @@ def arch_name(arch) -> str:
 
 def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
     """This GPU as the runtime sees it, or, on a machine without CUDA, the common GPUs."""
-    from .budget import plan_budget_bytes
-    from .runtime import sage_family_for
+    from ..facts.budget import plan_budget_bytes
+    from ..facts.devices import sage_family_for
     if rt.arch is not None:
         label = f"this GPU: {rt.device_name} ({rt.arch_name})"
         budget = plan_budget_bytes(free_bytes)
@@ -111,14 +111,14 @@ def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
 
 def _candidates(policy, rt, family: str | None, comfy_wants_sage: bool) -> list[str]:
     """The kernel order the SafeSage Attention node uses for this policy (its own code)."""
-    from .attention import SafeAttention
-    from .kernels import Kernel
+    from ..attention.override import SafeAttention
+    from ..families.kernels import Kernel
     kernels = [Kernel(FAMILIES[family], None)] if family in FAMILIES else []
     return SafeAttention(policy, kernels=kernels, rt=rt).candidates(None, comfy_wants_sage=comfy_wants_sage)
 
 
 def _safe_up_to(family: str, hi: int = 2_000_000) -> int | None:
-    from .envelope_rules import first_unsafe
+    from ..families.rules import first_unsafe
     env = FAMILIES[family]
     bad = first_unsafe(env, attention_call_here, 1, hi)
     return None if bad is None else bad - 1
@@ -128,8 +128,8 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     """What SafeSage does with H3's attention and MLP at S tokens in scenario ``sc``."""
     import torch
 
-    from .mlp_plan import resolve_chunk
-    from .runtime import Runtime, explain_auto, pricing_tflops
+    from ..models.h3.mlp_plan import resolve_chunk
+    from ..facts.devices import Runtime, explain_auto, pricing_tflops
     register_sage2()
     v = Verdict(sc, S)
     call = attention_call_here(S, arch=arch_name(sc.arch))
@@ -160,7 +160,7 @@ def mlp_transient_bytes(S: int, chunk: int, dtype_bytes: int = 2) -> int:
     intermediates (mlp.per_token_bytes) plus, when chunked, the preallocated [S, hidden] output.
     Unchunked it is an upper bound (per_token_bytes counts the quantised path's copies); tests
     compare both with the H200 measurement in bench/results/mlp_h200.json."""
-    from .mlp_plan import per_token_bytes
+    from ..models.h3.mlp_plan import per_token_bytes
     per_tok = per_token_bytes(H3_HIDDEN, H3_FFN, dtype_bytes)
     if chunk >= S:
         return S * per_tok
@@ -170,7 +170,7 @@ def mlp_transient_bytes(S: int, chunk: int, dtype_bytes: int = 2) -> int:
 
 # ---------------------------------------------------------------------------- comfy-kitchen
 #: what a report without a GPU says about comfy-kitchen's int8_attention (version-dependent
-#: envelopes, the same on every arch: safe_ops/envelope_ck.py)
+#: envelopes, the same on every arch: safe_ops/families/ck_int8.py)
 COMMON_CK = (("0.2.36-0.2.40", "ck_int8"), ("0.2.29-0.2.35", "ck_int8_pre236"))
 
 
@@ -188,7 +188,7 @@ def ck_verdicts(S: int, rt, budget_bytes: int | None = None) -> list[CkVerdict]:
     """comfy-kitchen's int8_attention (what ``--use-ck-attention`` runs on newer ComfyUI) at ``S``
     tokens: the installed version's envelope on a GPU (none where it is not usable: ``rt.ck_error``
     says why), both envelopes without one."""
-    from . import envelope_ck  # noqa: F401  (registers the ck families)
+    from ..families import ck_int8  # noqa: F401  (registers the ck families)
     if rt.arch is not None:
         if rt.ck_family not in FAMILIES:
             return []
@@ -230,12 +230,12 @@ def assess(width: int, height: int, length: int, ref_images: int = 0, text_token
     """The verdicts for an H3 render of this size under ``policy`` (default: the node's defaults)
     on ``rt`` (default: this process's runtime). ``comfy_wants_sage`` (default: ComfyUI's own
     flags) is taken as True without a GPU: the common GPUs are reported with --use-sage-attention."""
-    from .policy import Policy
-    from .runtime import runtime
+    from ..policy import Policy
+    from ..facts.devices import runtime
     policy = policy or Policy()
     rt = rt or runtime()
     if comfy_wants_sage is None:
-        from .runtime import comfy_attention_choice
+        from ..facts.devices import comfy_attention_choice
         comfy_wants_sage = comfy_attention_choice() == "sage"
     t = packed_tokens(width, height, length, ref_images, text_tokens)
     S = t.total
@@ -246,7 +246,7 @@ def assess(width: int, height: int, length: int, ref_images: int = 0, text_token
         import torch
         mlp_dev = torch.device("cuda")
         if free_bytes is None:
-            from .budget import free_device_bytes
+            from ..facts.budget import free_device_bytes
             free_bytes = free_device_bytes(mlp_dev)
     verdicts = [verdict(S, sc, policy, comfy_wants_sage, mlp_dev) for sc in scenarios_for(rt, free_bytes)]
     ck = ck_verdicts(S, rt, verdicts[0].scenario.budget_bytes if verdicts else None)

@@ -49,7 +49,7 @@ H200, bench/results/ck239_families_h200.json).
 from __future__ import annotations
 
 from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
-from .versions import version_tuple
+from ..facts.versions import version_tuple
 
 SRC = "ck0.2.40:comfy_kitchen/sage_attention.py"
 CK_ISSUE = "comfy-kitchen #178"

@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
-from . import contain, mlp_comfy, report
-from .h3 import H3_MLP_CLASS, H3_MODEL_MODULE, find_h3_mlps, is_h3_model
+from ... import contain
+from . import cast_memo
+from ...ui import run_stats
+from .dims import H3_MLP_CLASS, H3_MODEL_MODULE, find_h3_mlps, is_h3_model
 from .mlp import MLP_STATS, h3_mlp_forward
 from .mlp_plan import parse_chunk_setting
 
@@ -23,7 +25,7 @@ class H3ChunkedMLPForward:
 
     _safesage_mlp = True
 
-    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any, stats: report.Section = MLP_STATS):
+    def __init__(self, module: torch.nn.Module, path: str, chunk_setting: Any, stats: run_stats.Section = MLP_STATS):
         self.module = module
         self.path = path
         self.chunk_setting = parse_chunk_setting(chunk_setting)
@@ -100,7 +102,7 @@ def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto") -> dict:
         result["skipped"] = "MLP.forward replaced on the class by another pack"
         return result
     if setting != "off":
-        result["cast_once"] = mlp_comfy.install()
+        result["cast_once"] = cast_memo.install()
         if not result["cast_once"]:
             log.warning("SafeSage MLP: this ComfyUI has no comfy.ops.cast_bias_weight/uncast_bias_weight: "
                         "H3 MLP chunks cast their weights once per chunk")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import report
+from ..ui import run_stats
 
 # Relative L2 error of each family on in-envelope random inputs, times a safety
 # margin (HAZARDS.md H-1/H-6, measured on an H200; see bench/results/).
@@ -198,7 +198,7 @@ class Verifier:
                 return          # a failed class stays failed
             self._verdicts[key] = verdict
             # bounded like every per-shape store: passed classes go first (at worst probed again)
-            report.trim(self._verdicts, expendable=lambda v: v.ok)
+            run_stats.trim(self._verdicts, expendable=lambda v: v.ok)
 
     def verdicts(self) -> dict:
         with self._lock:

@@ -22,18 +22,20 @@ from typing import Any, Callable
 
 import torch
 
-from . import compiler, contain, report
-from .attention_context import INSIDE, ContextCalls, compiling, special_context, unwrap_attn
-from .budget import BudgetReader
-from .comfy_call import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
+from ..facts import compiler
+from .. import contain
+from ..ui import run_stats
+from .special_calls import INSIDE, ContextCalls, compiling, special_context, unwrap_attn
+from ..facts.budget import BudgetReader
+from .call_forms import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
                          unguarded_kind)
-from .envelope import FAMILIES, AttnCall, check
+from ..families.envelope import FAMILIES, AttnCall, check
 from .executor import Executor, is_build_error, is_cuda_error, is_oom
-from .kernels import SDPA_KERNEL, Kernel, installed_kernels
+from ..families.kernels import SDPA_KERNEL, Kernel, installed_kernels
 from .planner import Plan, choose
-from .policy import Policy
-from .probe import Verifier, class_key, compare
-from .runtime import Runtime, auto_order, comfy_attention_choice, family_kind, pricing_tflops, runtime
+from ..policy import Policy
+from .verification import Verifier, class_key, compare
+from ..facts.devices import Runtime, auto_order, comfy_attention_choice, family_kind, pricing_tflops, runtime
 
 log = logging.getLogger("SafeSage")
 
@@ -101,7 +103,7 @@ class SafeAttention(ContextCalls):
         """Families whose build cannot run on this GPU: off for every call here in this process (the
         report's one list, so a SafeSage node applied later in the process knows them too); the
         same family on a GPU of another arch, or another build, is not affected."""
-        return report.disabled_at(self._sites)
+        return run_stats.disabled_at(self._sites)
 
     def __deepcopy__(self, memo):
         # Clones of a patched model share one override (its caches are process-wide
@@ -170,8 +172,8 @@ class SafeAttention(ContextCalls):
         if new is None:
             new = p.by_budget[budget] = choose(p.call, p.envelopes, budget, p.tflops)
             if new != p.plan:
-                report.count("replans")
-                report.once(("replan", p.plan, budget), logging.INFO,
+                run_stats.count("replans")
+                run_stats.once(("replan", p.plan, budget), logging.INFO,
                             "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
                             new.describe(False), p.plan.describe(False))
         return new
@@ -192,13 +194,13 @@ class SafeAttention(ContextCalls):
         return run(*args, **kwargs)     # outside the handler: ComfyUI's errors are not chained to ours
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        report.count("attention_calls")
+        run_stats.count("attention_calls")
         if self.layer_functions:
             func = self._layer_function(kwargs, func)
         try:
             n = normalise(args, kwargs)
         except UnsupportedCall as e:
-            report.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
+            run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
             return self._run_comfy(func, args, kwargs, None)
         try:
             out = self.attend(n, func)
@@ -242,12 +244,12 @@ class SafeAttention(ContextCalls):
         recomputed after it, so it is raised."""
         if is_cuda_error(e):
             raise e
-        report.count("internal_errors")
+        run_stats.count("internal_errors")
         shape = f"q{tuple(n.q.shape)} k{tuple(n.k.shape)}"
-        if report.once(("internal", type(e).__name__, str(e)[:120]), logging.DEBUG, "internal error"):
+        if run_stats.once(("internal", type(e).__name__, str(e)[:120]), logging.DEBUG, "internal error"):
             log.error("SafeSage: internal error on %s (please report it, with this traceback); this call "
                       "runs ComfyUI's own attention", shape, exc_info=e)
-        report.fallback(f"SafeSage internal error: {type(e).__name__}: {e}", shape)
+        run_stats.fallback(f"SafeSage internal error: {type(e).__name__}: {e}", shape)
         return None
 
     def _layer_function(self, kwargs: dict, func: Callable) -> Callable:
@@ -267,7 +269,7 @@ class SafeAttention(ContextCalls):
         thread may be inserting: a trim iterates the dict)."""
         with self._cache_lock:
             cache[key] = value
-            report.trim(cache, keep)
+            run_stats.trim(cache, keep)
         return value
 
     def _run_comfy(self, func: Callable, args: tuple, kwargs: dict, n: Normalised | None) -> Any:
@@ -301,8 +303,8 @@ class SafeAttention(ContextCalls):
             viol = p.previous_viol
         if not viol:
             return False
-        report.count("previous_overruled")
-        report.once(("previous-unsafe", fam, _shape_key(call, n)), logging.WARNING,
+        run_stats.count("previous_overruled")
+        run_stats.once(("previous-unsafe", fam, _shape_key(call, n)), logging.WARNING,
                     "SafeSage: the attention override before it (%s) would run %s unguarded on %s, outside its "
                     "limits (%s); SafeSage runs %s for this call instead", function_name(self.previous), fam,
                     _shape_key(call, n), "; ".join(str(v) for v in viol[:2]),
@@ -314,14 +316,14 @@ class SafeAttention(ContextCalls):
         class. None: no guarded kernel takes this call (the caller runs ComfyUI's own)."""
         q, k, v = n.q, n.k, n.v
         if q.shape[2] == 0:
-            report.count("plan:empty")
+            run_stats.count("plan:empty")
             return None
         guard = self._guard_for(q.device)
         if guard is not self:
             if guard is not None:
                 return guard.attend(n, func)
-            report.count("plan:other_gpu")
-            report.fallback(f"a call on {q.device}, another kind of GPU than the one the kernels handed to "
+            run_stats.count("plan:other_gpu")
+            run_stats.fallback(f"a call on {q.device}, another kind of GPU than the one the kernels handed to "
                             f"SafeSage are for ({self.rt.arch_name}): ComfyUI's own attention")
             return None
         key = self._call_key(n, func)
@@ -330,10 +332,10 @@ class SafeAttention(ContextCalls):
             p = self._remember(self._prepared, key, self._prepare(n, func))   # the newest signatures
         n.prepared = p
         plan = self._within_budget(p, q.device)
-        report.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
+        run_stats.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
         if plan.kind == "sdpa":
             if plan.reasons:       # not a guarded kernel because none could run it
-                report.fallback("; ".join(plan.reasons), p.shape_key)
+                run_stats.fallback("; ".join(plan.reasons), p.shape_key)
             return None
         try:
             out = self.executor.run(plan, n)
@@ -385,7 +387,7 @@ class SafeAttention(ContextCalls):
             guard = SafeAttention(self.policy, verifier=self.verifier, rt=rt, previous=self.previous,
                                   layer_functions=self.layer_functions)
             guard._guards[device.index] = guard
-            report.once(("other-gpu", device.index), logging.INFO, "SafeSage: %s is %s (%s); its calls are "
+            run_stats.once(("other-gpu", device.index), logging.INFO, "SafeSage: %s is %s (%s); its calls are "
                         "guarded with that GPU's kernels", device, rt.device_name, rt.summary())
         self._guards[device.index] = guard
         return guard
@@ -410,7 +412,7 @@ class SafeAttention(ContextCalls):
         tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name)
         plan = choose(call, envelopes, budget, tflops)
         shape_key = _shape_key(call, n)
-        report.remember_plan(shape_key, plan.describe())
+        run_stats.remember_plan(shape_key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
         envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
         return _Prepared(plan, call, shape_key, f"plan:{plan.kind}", envelopes,
@@ -431,16 +433,16 @@ class SafeAttention(ContextCalls):
             if not is_oom(e):
                 raise
             # the check itself found no memory: inconclusive, not a failed prompt; probed again later
-            report.count("probes_inconclusive")
-            report.once(("probe-oom", plan.kernel, p.shape_key), logging.WARNING,
+            run_stats.count("probes_inconclusive")
+            run_stats.once(("probe-oom", plan.kernel, p.shape_key), logging.WARNING,
                         "SafeSage: no memory to check %s on %s now; its output is used and the check runs "
                         "again at the next call of this kind", plan.kernel, p.shape_key)
             return out
         self.verifier.record(ck, verdict)
-        report.count("probes")
+        run_stats.count("probes")
         if verdict.ok:
             return out
-        report.count("probe_failures")
+        run_stats.count("probe_failures")
         return self._fall_back(p, plan, f"{plan.kernel} failed verification ({verdict.detail})")
 
     def _fall_back(self, p: "_Prepared", plan: Plan, why: str, scope: str = "class") -> None:
@@ -450,24 +452,24 @@ class SafeAttention(ContextCalls):
         memory, or any other error of one call: this call only)."""
         fam = plan.kernel
         if scope == "family":
-            report.disabled(fam, why, self._sites[fam])
-            report.count("kernel_errors")
+            run_stats.disabled(fam, why, self._sites[fam])
+            run_stats.count("kernel_errors")
         elif scope == "class":
-            report.failed_check(f"{fam} on {self.rt.arch_name} {p.shape_key}", why)
+            run_stats.failed_check(f"{fam} on {self.rt.arch_name} {p.shape_key}", why)
         if scope == "call":
             with self._cache_lock:       # under the compiler: this run chooses again at the next call
                 p.run.pop(compiler.run_id(), None)
-            report.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")
-            report.once(("kernel-call", fam, p.shape_key, why[:80]), logging.WARNING,
+            run_stats.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")
+            run_stats.once(("kernel-call", fam, p.shape_key, why[:80]), logging.WARNING,
                         "SafeSage: %s for %s; this call is recomputed with ComfyUI's own attention.", why,
                         p.shape_key)
         else:
-            report.once(("kernel-failed", fam, p.class_keys.get(fam)), logging.ERROR,
+            run_stats.once(("kernel-failed", fam, p.class_keys.get(fam)), logging.ERROR,
                         "SafeSage: %s for %s; recomputing with ComfyUI's own attention and not using %s again for "
                         "%s in this process.", why, p.shape_key, f"{fam} on {self._sites[fam]}",
                         "any call" if scope == "family" else "this class of call")
             self._prepared.clear()
-        report.fallback(why, p.shape_key)
+        run_stats.fallback(why, p.shape_key)
         return None
 
 

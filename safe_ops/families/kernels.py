@@ -11,11 +11,11 @@ from typing import Callable
 
 import torch
 
-from . import envelope_ck, envelope_sage2  # noqa: F401  (register the comfy-kitchen and sage 2.x families)
+from . import ck_int8, sage2  # noqa: F401  (register the comfy-kitchen and sage 2.x families)
 from .envelope import FAMILIES, SDPA, Envelope
-from .envelope_rules import KvLenRule
-from .probe import DEFAULT_TOLERANCE, TOLERANCE
-from .runtime import Runtime, measured_tflops, runtime
+from .rules import KvLenRule
+from ..attention.verification import DEFAULT_TOLERANCE, TOLERANCE
+from ..facts.devices import Runtime, measured_tflops, runtime
 from .sage_dispatch import SAGE1, runs_on, sage_fns
 
 KernelFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, str, "float | None"], torch.Tensor]

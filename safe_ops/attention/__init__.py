@@ -1,0 +1,2 @@
+"""The attention override: ComfyUI's call forms, the planner, the executor, the legacy-stream hop,
+first-call verification, and ``SafeAttention`` itself."""
