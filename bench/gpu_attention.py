@@ -104,8 +104,8 @@ def bench_runtime():
 
 
 def sage_kern():
-    from safe_ops.families import sage2  # noqa: F401  (registers the sage 2.x families)
-    from safe_ops.families.kernels import sage_kernel
+    from safe_ops.families import registry  # noqa: F401  (registers every family)
+    from safe_ops.families.registry import sage_kernel
     k = sage_kernel(bench_runtime())
     if k is None:
         raise SystemExit(f"no usable sage kernel for family {FAMILY or bench_runtime().sage_family}")
@@ -343,9 +343,9 @@ def host_overhead(S: int, n: int = 400) -> dict:
     preallocated tensor, minus calling that kernel directly).
     """
     from safe_ops.ui import run_stats
-    from safe_ops.families.kernels import Kernel
+    from safe_ops.families.family import Kernel
     from safe_ops.attention.override import SafeAttention
-    from safe_ops.families.envelope import SAGE1_TRITON
+    from safe_ops.families.sage1 import SAGE1_TRITON
     from safe_ops.policy import Policy
     q, k, v = h3_qkv(S, "strided")
     run_stats.reset()
@@ -380,7 +380,7 @@ def host_overhead(S: int, n: int = 400) -> dict:
 # -------------------------------------------------------------------------- probe
 def probe(args) -> dict:
     from safe_ops.ui import run_stats
-    from safe_ops.families.kernels import Kernel
+    from safe_ops.families.family import Kernel
     from safe_ops.attention.override import SafeAttention
     from safe_ops.policy import Policy
     out = {"env": env_info(), "sizes": []}

@@ -99,14 +99,14 @@ def flops(S: int) -> float:
 
 def kernels() -> dict:
     """Every family that can run here: name -> safe_ops Kernel (errors recorded by the caller)."""
-    from safe_ops.families.kernels import sage2_kernel
+    from safe_ops.families.registry import kernel_of
     out = {}
     for fam in SAGE2_FAMILIES:
-        k = sage2_kernel(fam)
+        k = kernel_of(fam)
         if k is not None:
             out[fam] = k
     try:
-        from safe_ops.families.kernels import ck_kernel
+        from safe_ops.families.registry import ck_kernel
         ck = ck_kernel()
         if ck is not None:
             out[ck.family] = ck
@@ -204,8 +204,8 @@ def with_kv_rule(kern, limit: int):
     """``kern`` with sm_120's key-length rule added (what makes the planner chunk keys)."""
     import dataclasses
 
-    from safe_ops.families.kernels import Kernel
-    from safe_ops.families.sage2 import KvLenRule
+    from safe_ops.families.family import Kernel
+    from safe_ops.families.rules import KvLenRule
     env = kern.envelope
     env = dataclasses.replace(env, family=env.family,
                               extra_rules=env.extra_rules + (KvLenRule(env.family, limit, "issue 11 bench",
@@ -457,7 +457,7 @@ def sec_guard(args) -> dict:
     kernel on in-limit inputs made beforehand (contiguous copies in the plan's layout), at the
     first length past the strided limit; interleaved, median of ``--guard-reps``."""
     from safe_ops.ui import run_stats
-    from safe_ops.families.kernels import sage_kernel
+    from safe_ops.families.registry import sage_kernel
     from safe_ops.facts.devices import runtime
     rt = runtime()
     rows = []

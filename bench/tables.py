@@ -256,7 +256,8 @@ def ck_probe_call(side: str, layout: str, S: int):
 def ck_predicted_first_refusing(version: str, side: str, layout: str, hi: int) -> int | None:
     """The first S <= hi that SafeSage's envelope for comfy-kitchen ``version`` says refuses."""
     from safe_ops.families.envelope import FAMILIES, check
-    from safe_ops.families.ck_int8 import ck_family_for      # importing it registers the ck families
+    from safe_ops.families.ck_int8 import ck_family_for
+    from safe_ops.families import registry  # noqa: F401  (registers every family)
     env = FAMILIES[ck_family_for(version)]
     bad = lambda n: bool(check(ck_probe_call(side, layout, n), env))  # noqa: E731
     if not bad(hi):

@@ -41,8 +41,10 @@ except ImportError:  # pragma: no cover - a fresh machine without torch
 
 from .ui import run_stats
 from .attention.override import SafeAttention
-from .families.kernels import Kernel, sage_kernel
-from .families.envelope import SAGE1_TRITON, AttnCall, TensorDesc, check
+from .families.family import Kernel
+from .families.registry import sage_kernel
+from .families.envelope import AttnCall, TensorDesc, check
+from .families.sage1 import SAGE1_TRITON
 from .models.h3.mlp import chunked_swiglu, reference_swiglu
 from .policy import Policy
 from .models.h3.dims import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, h3_tokens

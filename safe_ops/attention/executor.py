@@ -9,7 +9,7 @@ import torch
 
 from .call_forms import Normalised
 from .streams import legacy_hop, run_hopped
-from ..families.kernels import Kernel
+from ..families.family import Kernel
 from .planner import Plan
 from ..ui import run_stats
 

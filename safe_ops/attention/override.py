@@ -31,11 +31,13 @@ from .call_forms import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_
                          unguarded_kind)
 from ..families.envelope import FAMILIES, AttnCall, check
 from .executor import Executor, is_build_error, is_cuda_error, is_oom
-from ..families.kernels import SDPA_KERNEL, Kernel, installed_kernels
+from ..families.family import Kernel
+from ..families.sdpa import SDPA_KERNEL
+from ..families.registry import family_kind, installed_kernels
 from .planner import Plan, choose
 from ..policy import Policy
 from .verification import Verifier, class_key, compare
-from ..facts.devices import Runtime, auto_order, comfy_attention_choice, family_kind, pricing_tflops, runtime
+from ..facts.devices import Runtime, auto_order, comfy_attention_choice, pricing_tflops, runtime
 
 log = logging.getLogger("SafeSage")
 

@@ -24,20 +24,6 @@ import torch
 
 from ..ui import run_stats
 
-# Relative L2 error of each family on in-envelope random inputs, times a safety
-# margin (HAZARDS.md H-1/H-6, measured on an H200; see bench/results/).
-TOLERANCE = {
-    "sage1_triton": 0.05,        # measured 0.013-0.014 on H3 shapes (bench/results/stress_h200.json)
-    "sage2_sm80": 0.05,          # fp16 PV: same int8 QK error as sage 1
-    "sage2_sm86_triton": 0.05,
-    "sage2_sm89_fp8pv": 0.12,    # fp8 PV: measured ~0.039-0.046 (HAZARDS.md H-1)
-    "sage2_fp8pv_perwarp": 0.12,
-    "sage2_sm120_fp8pv": 0.12,
-    "sage2_sm90": 0.12,
-    "sdpa": 0.01,
-}
-DEFAULT_TOLERANCE = 0.12
-
 PROBE_ROWS = 256          # query rows checked per probed head, spread over the sequence
 TAIL_ROWS = 64            # plus the last rows (the partial last tile, where padding bugs live)
 PROBE_HEADS = 4           # heads checked per batch element: first, last and evenly between

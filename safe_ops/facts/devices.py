@@ -191,10 +191,6 @@ def kernel_table() -> dict:
         return {}
 
 
-# Families that run the same kernel and differ only in their (version-dependent) envelope
-# share one measured number: comfy-kitchen 0.2.29-0.2.35 and 0.2.36-0.2.40 (or a copy without
-# package metadata, which gets the conservative envelope) time the same int8_attention.
-TABLE_ALIAS = {"ck_int8_pre236": "ck_int8"}
 
 
 def pricing_tflops(kernel_policy: str, arch_name: str) -> dict | None:
@@ -205,8 +201,12 @@ def pricing_tflops(kernel_policy: str, arch_name: str) -> dict | None:
 
 def measured_tflops(arch_name: str) -> dict:
     """Measured TFLOP/s per family on ``arch_name`` (aliases filled in); {} when unmeasured."""
+    # Families that run the same kernel and differ only in their (version-dependent) envelope share
+    # one measured number (each family's KernelFamily.table_name: comfy-kitchen 0.2.29-0.2.35 and
+    # 0.2.36-0.2.40 time the same int8_attention)
+    from ..families.registry import table_aliases
     tflops = dict(kernel_table().get("archs", {}).get(arch_name, {}).get("tflops", {}))
-    for alias, name in TABLE_ALIAS.items():
+    for alias, name in table_aliases().items():
         if alias in tflops or name in tflops:
             tflops.setdefault(name, tflops.get(alias))
             tflops.setdefault(alias, tflops[name])
@@ -244,9 +244,6 @@ def comfy_attention_choice() -> str | None:
     return None
 
 
-def family_kind(family: str) -> str:
-    """"ck" (comfy-kitchen), "sdpa" or "sage": the kind of kernel a family is."""
-    return "ck" if family.startswith("ck_") else "sdpa" if family == "sdpa" else "sage"
 
 
 def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) -> tuple[list[str], str]:
@@ -266,6 +263,7 @@ def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) ->
                + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
                + "; safe_ops/facts/kernel_table.json)")
         return order, why
+    from ..families.registry import family_kind
     wanted = [f for f in families if comfy_choice is not None and family_kind(f) == comfy_choice]
     others = [f for f in families if f not in wanted]
     if wanted:

@@ -49,6 +49,7 @@ H200, bench/results/ck239_families_h200.json).
 from __future__ import annotations
 
 from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
+from .family import DEFAULT_TOLERANCE, KernelFamily
 from ..facts.versions import version_tuple
 
 SRC = "ck0.2.40:comfy_kitchen/sage_attention.py"
@@ -165,3 +166,30 @@ def ck_family_for(version: str | None) -> str | None:
         return None                                   # no int8_attention before 0.2.29
     # 0.2.36-0.2.40 checked (wheel strings + H200 probe); newer ones unread: conservative
     return "ck_int8" if (0, 2, 36) <= v[:3] <= (0, 2, 40) else "ck_int8_pre236"
+
+
+def _call():
+    """comfy-kitchen's ``int8_attention`` as ``fn(q, k, v, layout, scale)`` (no LSE), None when not
+    installed. It takes ``[B,H,L,D]`` with any strides, so an NHD plan hands it transposed views."""
+    try:
+        import comfy_kitchen
+        f = comfy_kitchen.int8_attention
+    except Exception:
+        return None
+
+    def fn(q, k, v, layout, scale):
+        if layout == "NHD":
+            return f(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale).transpose(1, 2)
+        return f(q, k, v, scale=scale)
+
+    return fn, None
+
+
+def _family(env: Envelope) -> KernelFamily:
+    # detected where the runtime's comfy-kitchen version has this envelope (facts.devices: ck_family_for);
+    # both versions' envelopes time the same kernel: one kernel_table.json entry (ck_int8)
+    return KernelFamily(env, kind="ck", tolerance=DEFAULT_TOLERANCE,    # no family-specific number measured
+                        call=_call, function="comfy_kitchen.int8_attention", table_name="ck_int8")
+
+
+KERNEL_FAMILIES = (_family(CK_INT8), _family(CK_INT8_PRE236))

@@ -1,4 +1,8 @@
-"""SageAttention 2.2 kernel families as data (which one runs where: ``sage_dispatch``).
+"""What the SageAttention 2.2 families share: sources, roles, term builders, LSE facts, the adapter.
+
+One module per family (``sage2_sm80``, ``sage2_sm86_triton``, ``sage2_sm89_fp8pv``,
+``sage2_fp8pv_perwarp``, ``sage2_sm120_fp8pv``, ``sage2_sm90``) holds its envelope and
+``KERNEL_FAMILY``; which one ``sageattn`` runs where: ``sage_dispatch``.
 
 Read from thu-ml/SageAttention tag ``v2.2.0`` (commit eb615cf6cf4d, 2025-10-28; its
 ``csrc/`` and ``sageattention/triton/`` are byte-identical to 0d30f5c, 2025-06-27, the
@@ -81,10 +85,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
-from . import sage2_temp_bytes as B
+from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc
+from .family import KernelFamily
 from .sage2_temp_bytes import ceil_to
-from .rules import KvLenRule
 
 TAG = "v2.2.0"
 TAG_COMMIT = "eb615cf6cf4d221338033340ee2de1c37fbdba4a"
@@ -181,221 +184,122 @@ ROLES: dict[str, Callable[[AttnCall], TensorDesc]] = {
 
 
 # ------------------------------------------------------------- term builders
-def _terms(kernel: str, tensor: str, axes: str, itype: str, where: str) -> tuple[IndexTerm, ...]:
+def index_terms(kernel: str, tensor: str, axes: str, itype: str, where: str) -> tuple[IndexTerm, ...]:
     return tuple(IndexTerm(kernel, tensor, a, itype, cite(where)) for a in axes)
 
 
 # Triton per_thread quantiser (quant_per_thread.py). off_b/off_h are tl.program_id (i32,
 # :29-30, :56-57), offs_n = off_blk*BLK + arange (i32, :32, :75-76); each times an i32 stride.
-def _per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[IndexTerm, ...]]:
+def per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[IndexTerm, ...]]:
     k = "quant_per_thread_int8"
     terms = (
-        _terms(k, "q", "bhs", "i32", f"{PT}:35")            # input_ptrs, caller's q
-        + _terms(k, "q:alloc", "bhs", "i32", f"{PT}:36")    # q_int8 = torch.empty(q.shape) :155
+        index_terms(k, "q", "bhs", "i32", f"{PT}:35")            # input_ptrs, caller's q
+        + index_terms(k, "q:alloc", "bhs", "i32", f"{PT}:36")    # q_int8 = torch.empty(q.shape) :155
         # The caller's k is never indexed here: smooth_k (on in every SAGEATTN_CALL call, the
         # functions' default) makes per_thread_int8 quantise `k - km` (:158-159), a fresh dense
         # tensor (k_smooth below); kv_chunks' smooth_k=False calls get a dense centred copy,
         # whose strides are k_smooth's. (Until issue 11 the caller's k was listed too, which
         # made every strided H3 call past 99,865 copy k for nothing.)
-        + _terms(k, "k:alloc", "bhs", "i32", f"{PT}:81")    # k_int8 :156
+        + index_terms(k, "k:alloc", "bhs", "i32", f"{PT}:81")    # k_int8 :156
     )
-    smooth = _terms(k, "k_smooth", "bhs", "i32", f"{PT}:159")   # k = k - km, then :79-80
+    smooth = index_terms(k, "k_smooth", "bhs", "i32", f"{PT}:159")   # k = k - km, then :79-80
     # scales (:180-181, :37, :83): per (b, h) at most ceil(S/BLKQ)*(BLKQ/WARPQ)*8 <= S/4+32
     # floats, always far below q_int8's own terms; not listed.
     return terms, smooth
 
 
 # Triton per_block quantiser, 2.2.0 copy (quant_per_block.py:28-36), used by sm86.
-def _per_block_triton() -> tuple[tuple[IndexTerm, ...], tuple[IndexTerm, ...]]:
+def per_block_triton() -> tuple[tuple[IndexTerm, ...], tuple[IndexTerm, ...]]:
     k = "quant_per_block_int8"
     terms = (
-        _terms(k, "q", "bhs", "i32", f"{PB}:35")
-        + _terms(k, "q:alloc", "bhs", "i32", f"{PB}:36")
+        index_terms(k, "q", "bhs", "i32", f"{PB}:35")
+        + index_terms(k, "q:alloc", "bhs", "i32", f"{PB}:36")
         # caller's k: not indexed, `k - km` is (quant_per_block.py:52-53; see _per_thread_triton)
-        + _terms(k, "k:alloc", "bhs", "i32", f"{PB}:36")
+        + index_terms(k, "k:alloc", "bhs", "i32", f"{PB}:36")
     )
-    smooth = _terms(k, "k_smooth", "bhs", "i32", f"{PB}:54")
+    smooth = index_terms(k, "k_smooth", "bhs", "i32", f"{PB}:54")
     return terms, smooth
 
 
 # CUDA per_warp q quant + per_block(+sub_mean) k quant (quant.py:172-176 ->
 # fused.cu:752 / :667): QuantInt8Kernel, u32 indices and strides (fused.cu:65-92).
-def _per_warp_cuda() -> tuple[IndexTerm, ...]:
+def per_warp_cuda() -> tuple[IndexTerm, ...]:
     k = "QuantInt8Kernel"
     return (
-        _terms(k, "q", "bhs", "u32", f"{FUSED}:90")          # input_ptr_base
-        + _terms(k, "q:alloc", "bhs", "u32", f"{FUSED}:92")  # output_ptr_base (q_int8, quant.py:153)
-        + _terms(k, "k", "bhs", "u32", f"{FUSED}:90")        # fused sub-mean reads the caller's k
-        + _terms(k, "k:alloc", "bhs", "u32", f"{FUSED}:92")  # k_int8 (quant.py:154)
+        index_terms(k, "q", "bhs", "u32", f"{FUSED}:90")          # input_ptr_base
+        + index_terms(k, "q:alloc", "bhs", "u32", f"{FUSED}:92")  # output_ptr_base (q_int8, quant.py:153)
+        + index_terms(k, "k", "bhs", "u32", f"{FUSED}:90")        # fused sub-mean reads the caller's k
+        + index_terms(k, "k:alloc", "bhs", "u32", f"{FUSED}:92")  # k_int8 (quant.py:154)
     )
 
 
 # per_channel_fp8 (quant.py:224-293): TransposePadPermuteKernel (fused.cu:262-313,
 # launched :914) reads V by (b, h, token) and writes the transposed copy by (b, h, d);
 # MeanScaleKernel (fused.cu:316-427, launched :987) reads/writes it by (b, h, d).
-def _v_fp8_terms(src: str, vt: str) -> tuple[IndexTerm, ...]:
+def v_fp8_terms(src: str, vt: str) -> tuple[IndexTerm, ...]:
     return (
-        _terms("TransposePadPermuteKernel", src, "bhs", "u32", f"{FUSED}:281")
-        + _terms("TransposePadPermuteKernel", vt, "bhd", "u32", f"{FUSED}:282")
-        + _terms("MeanScaleKernel", vt, "bhd", "u32", f"{FUSED}:338-339")
+        index_terms("TransposePadPermuteKernel", src, "bhs", "u32", f"{FUSED}:281")
+        + index_terms("TransposePadPermuteKernel", vt, "bhd", "u32", f"{FUSED}:282")
+        + index_terms("MeanScaleKernel", vt, "bhd", "u32", f"{FUSED}:338-339")
     )
 
 
 # CUDA attention kernels (sm80 / sm89): Q and O by (b, h, token) over the whole sequence,
 # K by (b, h) + one CTA_K tile (pointer advanced per tile, attn_utils.cuh:136-140).
-def _cuda_attn_qo(kernel: str, where_q: str, where_k: str, where_o: str) -> tuple[IndexTerm, ...]:
+def cuda_attn_qo(kernel: str, where_q: str, where_k: str, where_o: str) -> tuple[IndexTerm, ...]:
     return (
-        _terms(kernel, "q:alloc", "bhs", "u32", where_q)     # q_int8
-        + _terms(kernel, "k:alloc", "bh", "u32", where_k)    # k_int8
-        + _terms(kernel, "q:alloc", "bhs", "u32", where_o)   # o = torch.empty(q.size())
+        index_terms(kernel, "q:alloc", "bhs", "u32", where_q)     # q_int8
+        + index_terms(kernel, "k:alloc", "bh", "u32", where_k)    # k_int8
+        + index_terms(kernel, "q:alloc", "bhs", "u32", where_o)   # o = torch.empty(q.size())
     )
 
 
-# ------------------------------------------------------------------ families
-_t, _d = _per_thread_triton()
-SAGE2_SM80 = register(Envelope(
-    family="sage2_sm80",
-    **SAGE2_LSE,
-    source=SOURCE,
-    head_dims=(64, 128),                   # dispatch_utils.h:23-34 (core.py:560-570 pads others)
-    dtypes=("float16", "bfloat16"),        # core.py:541
-    supports_mask=False,                   # no attn_mask parameter; sageattn drops kwargs
-    terms=_t + _cuda_attn_qo("qk_int_sv_f16_attn_kernel", f"{SM80}:198", f"{SM80}:199", f"{SM80}:634")
-    + _d
-    # V (fp16, last dim contiguous only, :695) by (b, h) + one tile (:200, :256-257)
-    + _terms("qk_int_sv_f16_attn_kernel", "v_fp16", "bh", "u32", f"{SM80}:200"),
-    roles=ROLES,
-    launches_on_legacy_stream=True,        # qk_int_sv_f16_cuda_sm80.cu:822 <<<grid, block, smem>>>
-    temp_bytes=B.sm80_temp_bytes,
-    note=("sageattn on sm80: sageattn_qk_int8_pv_fp16_cuda(qk_quant_gran='per_thread' (default), "
-          "pv_accum_dtype='fp32') (core.py:145). Triton quant on the current stream, CUDA attention "
-          "on the legacy default stream."),
-))
 
-
-_t, _d = _per_block_triton()
-SAGE2_SM86_TRITON = register(Envelope(
-    family="sage2_sm86_triton",
-    **SAGE2_LSE,
-    source=SOURCE,
-    head_dims=(64, 128),                   # tl.arange(0, C) needs a power of two; core.py:260-269 pads
-    dtypes=("float16", "bfloat16"),        # core.py:242
-    supports_mask=False,                   # the function takes attn_mask, sageattn never passes one
-    terms=_t + (
-        # attn_qk_int8_per_block.py:91-92 cast off_z/off_h to i64: b/h terms are i64.
-        # offs_m (i32) * stride_qn (i32) for q_int8 (:100) and o (:105, o = empty(q.shape) :135)
-        IndexTerm("attn_qk_int8_per_block", "q:alloc", "s", "i32", cite(f"{TATTN}:100")),
-        IndexTerm("attn_qk_int8_per_block", "q:alloc", "b", "i64", cite(f"{TATTN}:91")),
-        IndexTerm("attn_qk_int8_per_block", "q:alloc", "h", "i64", cite(f"{TATTN}:92")),
-        # K/V: (b, h) in i64, tokens one BLOCK_N tile then pointer increments (:70-72, :102-104)
-    ) + _d,
-    roles=ROLES,
-    launches_on_legacy_stream=False,       # Triton only: torch's current stream
-    temp_bytes=B.sm86_temp_bytes,
-    note="sageattn on sm86: sageattn_qk_int8_pv_fp16_triton (core.py:147), all Triton.",
-))
-
-
-_FP8_ATTN_Q = _cuda_attn_qo("qk_int_sv_f8_attn_kernel", f"{SM89}:200", f"{SM89}:201", f"{SM89}:668")
+FP8_ATTN_Q = cuda_attn_qo("qk_int_sv_f8_attn_kernel", f"{SM89}:200", f"{SM89}:201", f"{SM89}:668")
 # V fp8 (b, h, d) + tokens by pointer increments (qk_int_sv_f8_cuda_sm89.cuh:203, :263-264);
 # the launcher (csrc/qattn/sm89_qk_int8_sv_f8_accum_f16_fuse_v_scale_attn_inst_buf.cu) does
 # CHECK_CONTIGUOUS(value) (:26) and asserts value.size(3) >= ceil(kv_len/64)*64 (:130), which
 # per_channel_fp8's pad-to-64 meets.
-_FP8_ATTN_V = _terms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:203")
-
-_t, _d = _per_thread_triton()
-SAGE2_SM89_FP8PV = register(Envelope(
-    family="sage2_sm89_fp8pv",
-    **SAGE2_LSE,
-    source=SOURCE,
-    head_dims=(64, 128),
-    dtypes=("float16", "bfloat16"),        # core.py:725
-    supports_mask=False,
-    terms=_t + _FP8_ATTN_Q + _d + _v_fp8_terms("v", "v_t") + _FP8_ATTN_V,
-    roles=ROLES,
-    launches_on_legacy_stream=True,        # fused.cu:914, :987; sm89_..._inst_buf.cu:162
-    temp_bytes=lambda c: B.fp8_temp_bytes(c, per_thread=True),
-    note=("sageattn on sm89: sageattn_qk_int8_pv_fp8_cuda(qk_quant_gran='per_thread' (default!), "
-          "pv_accum_dtype='fp32+fp16') (core.py:149) -> Triton per_thread quant (core.py:790-791), "
-          "CUDA per_channel_fp8 (core.py:807), sm89 fp8 kernel accum f16 inst_buf (core.py:816-817)."),
-))
-
-_FP8_PERWARP = _per_warp_cuda() + _FP8_ATTN_Q + _v_fp8_terms("v", "v_t") + _FP8_ATTN_V
-SAGE2_FP8PV_PERWARP = register(Envelope(
-    family="sage2_fp8pv_perwarp",
-    **SAGE2_LSE,
-    source=SOURCE,
-    head_dims=(64, 128),
-    dtypes=("float16", "bfloat16"),
-    supports_mask=False,
-    terms=_FP8_PERWARP,
-    roles=ROLES,
-    launches_on_legacy_stream=True,        # fused.cu:752, :667, :914, :987; sm89_..._inst_buf.cu:162
-    temp_bytes=lambda c: B.fp8_temp_bytes(c, per_thread=False),
-    note=("Direct call sageattn_qk_int8_pv_fp8_cuda(qk_quant_gran='per_warp', pv_accum_dtype='fp32+fp16'): "
-          "all-CUDA u32 arithmetic. Runs where _qattn_sm89 is built (sm89, sm90, sm120; setup.py:178). "
-          "What sageattn runs on sm120 (minus the #388 length rule)."),
-))
-
-SAGE2_SM120_FP8PV = register(Envelope(
-    family="sage2_sm120_fp8pv",
-    **SAGE2_LSE,
-    source=SOURCE,
-    head_dims=(64, 128),
-    dtypes=("float16", "bfloat16"),
-    supports_mask=False,
-    terms=_FP8_PERWARP,
-    roles=ROLES,
-    extra_rules=(
-        KvLenRule("sage2_sm120_fp8pv", FP8_SM120_MAX_KV_LEN,
-                  "SageAttention #388 (RTX PRO 6000 sm_120, sage 2.2.0, MiniMax H3: clean <~154k, noise "
-                  ">~160k; also #391/#403, ComfyUI #15263); evidence-based, mechanism unknown (HAZARDS.md H-1, H-6)",
-                  "FP8-PV on sm_120 reported to turn to noise without an error"),
-    ),
-    launches_on_legacy_stream=True,
-    temp_bytes=lambda c: B.fp8_temp_bytes(c, per_thread=False),
-    note=("sageattn on sm120 (and sm121 on main after the tag): sageattn_qk_int8_pv_fp8_cuda("
-          "qk_quant_gran='per_warp', pv_accum_dtype='fp32+fp16') (core.py:153)."),
-))
+FP8_ATTN_V = index_terms("qk_int_sv_f8_attn_kernel", "v_t", "bhd", "u32", f"{SM89}:203")
+FP8_PERWARP = per_warp_cuda() + FP8_ATTN_Q + v_fp8_terms("v", "v_t") + FP8_ATTN_V
 
 
-_t, _d = _per_thread_triton()
-# Every stride of q_int8 / k_int8 / v_fp8 reaches a TMA descriptor as a C int (:38 via :788-833
-# and :887-889), whatever the extent. Measured on an H200 (driver 580, cuda.bindings, the exact
-# create_tensor_map_4D arguments): cuTensorMapEncodeTiled returns CUDA_ERROR_INVALID_VALUE (-> the
-# live ``assert`` at :48 aborts) for q_int8 [1,56,S,128] at S = 299,594 (batch stride
-# 2,147,489,792) but not at 299,593, and for v_fp8 at Spad = 299,648 but not 299,520; the same
-# strides passed as 64-bit encode fine. A stride >= 2**32 wraps to a positive int and encodes,
-# wrongly (harmless only for a batch stride with b = 1): every stride > INT_MAX is refused,
-# which is conservative for that case only.
-_SM90_TMA = "TMA descriptor (sm90, cuTensorMapEncodeTiled)"
-_SM90_INT_STRIDES = tuple(
-    IndexTerm(_SM90_TMA, role, a, "i32", cite(f"{SM90}:38") + " (int strides from :788-833, maps :887-889)",
-              stride_only=True)
-    for role, axes in (("q:alloc", "bhs"), ("k:alloc", "bhs"), ("v_t128", "bhd")) for a in axes)
-SAGE2_SM90 = register(Envelope(
-    family="sage2_sm90",
-    **SAGE2_LSE,
-    source=SOURCE,
-    head_dims=(64, 128),
-    dtypes=("float16", "bfloat16"),        # core.py:912
-    supports_mask=False,
-    terms=_t + (
-        # Q/K/V are read by TMA (64-bit strides, int32 coordinates, :241-243, :289, :362).
-        # O is written by hand with u32 arithmetic (:517, :528-548), o = empty(q.size()) core.py:969.
-        IndexTerm("qk_int8_sv_f8_attn_kernel(sm90)", "q:alloc", "b", "u32", cite(f"{SM90}:517")),
-        IndexTerm("qk_int8_sv_f8_attn_kernel(sm90)", "q:alloc", "h", "u32", cite(f"{SM90}:517")),
-        IndexTerm("qk_int8_sv_f8_attn_kernel(sm90)", "q:alloc", "s", "u32", cite(f"{SM90}:517")),
-    ) + _d + _v_fp8_terms("v_pad128", "v_t128") + _SM90_INT_STRIDES,
-    roles=ROLES,
-    launches_on_legacy_stream=True,        # fused.cu:914, :987; qk_int_sv_f8_cuda_sm90.cu:898
-    temp_bytes=B.sm90_temp_bytes,
-    note=("sageattn on sm90: sageattn_qk_int8_pv_fp8_cuda_sm90(qk_quant_gran='per_thread', "
-          "pv_accum_dtype='fp32+fp32') (core.py:151): Triton quant BLKQ=64/WARPQ=16/BLKK=WARPK=128 "
-          "(core.py:966-967), V padded to 128 by torch.cat (core.py:971-979) so the kv_len % 128 assert "
-          "(qk_int_sv_f8_cuda_sm90.cu:868) cannot fire here. HAZARDS.md H-6: a 2.2.0 sm_90a build computed "
-          "garbage on an H200 with no error -- verify before trusting."),
-))
+# ------------------------------------------------------------------ the adapter
+def sage2_call(function: str, arguments: dict):
+    """The adapter of a sage 2.2 family: ``call() -> (fn, fn_lse)`` running exactly that family through
+    ``sageattention.<function>`` with explicit ``arguments`` (the function ``sageattn`` itself dispatches
+    to, as it calls it; 2.2's ``sageattn`` drops ``smooth_k``, so the functions' own default, on, is
+    kept, as in ComfyUI), each ``f(q, k, v, layout, scale)``; None when sageattention is not installed
+    or lacks the function. ``fn_lse`` (for kv_chunks) calls the same function with ``return_lse=True``
+    and ``smooth_k=False`` on keys the plan already centred (``Envelope.lse_centred_k``).
 
-SAGE2_FAMILIES = (SAGE2_SM80, SAGE2_SM86_TRITON, SAGE2_SM89_FP8PV, SAGE2_FP8PV_PERWARP,
-                  SAGE2_SM120_FP8PV, SAGE2_SM90)
+    Signatures (core.py): every function is ``f(q, k, v, tensor_layout="HND", is_causal=False,
+    [qk_quant_gran=...], sm_scale=None, [pv_accum_dtype=...], smooth_k=True, [smooth_v=False],
+    return_lse=False, **kwargs)``."""
+    def call():
+        try:
+            import sageattention
+        except Exception:
+            return None
+        f = getattr(sageattention, function, None)
+        if f is None:
+            return None
+
+        def fn(q, k, v, layout, scale):
+            return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **arguments)
+
+        def fn_lse(q, k, v, layout, scale):
+            # keys arrive centred on the whole sequence's mean (Envelope.lse_centred_k): no
+            # per-chunk smoothing, and core.py returns lse / log2(e) with no rounded correction
+            return f(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale,
+                     return_lse=True, **{**arguments, "smooth_k": False})
+
+        return fn, fn_lse
+    return call
+
+
+def sage2_family(envelope: Envelope, function: str, arguments: dict, runs_on: tuple, tolerance: float) -> KernelFamily:
+    """A sage 2.2 family: ``envelope`` called as ``sageattention.<function>(**arguments)``; ``runs_on``:
+    the archs whose 2.2.0 extension carries its kernels (setup.py:166, :178, :196)."""
+    return KernelFamily(envelope, kind="sage", tolerance=tolerance, call=sage2_call(function, arguments),
+                        function=f"sageattention.{function}", arguments=dict(arguments), runs_on=runs_on)

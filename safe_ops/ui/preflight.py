@@ -24,7 +24,7 @@ from ..attention.planner import Plan, choose, plan_for
 
 def preflight(S: int, families: list[str] | None = None, budget_bytes: int | None = None) -> list[dict]:
     """Per kernel family: violations of H3's call at S tokens and the plan SafeSage would run."""
-    register_sage2()
+    register_families()
     call = attention_call_here(S)
     rows = []
     for fam in families or [f for f in FAMILIES if f != "sdpa"]:
@@ -37,12 +37,9 @@ def preflight(S: int, families: list[str] | None = None, budget_bytes: int | Non
     return rows
 
 
-def register_sage2() -> None:
-    """Register the sage 2.x families in ``FAMILIES`` (when that module imports here)."""
-    try:
-        from ..families import sage2  # noqa: F401  (registers the sage 2.x families)
-    except ImportError:
-        pass
+def register_families() -> None:
+    """Register every kernel family in ``FAMILIES`` (the registry imports each family's module)."""
+    from ..families import registry  # noqa: F401  (registers every family)
 
 
 # ---------------------------------------------------------------------------- the scenarios
@@ -112,7 +109,7 @@ def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
 def _candidates(policy, rt, family: str | None, comfy_wants_sage: bool) -> list[str]:
     """The kernel order the SafeSage Attention node uses for this policy (its own code)."""
     from ..attention.override import SafeAttention
-    from ..families.kernels import Kernel
+    from ..families.family import Kernel
     kernels = [Kernel(FAMILIES[family], None)] if family in FAMILIES else []
     return SafeAttention(policy, kernels=kernels, rt=rt).candidates(None, comfy_wants_sage=comfy_wants_sage)
 
@@ -130,7 +127,7 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
 
     from ..models.h3.mlp_plan import resolve_chunk
     from ..facts.devices import Runtime, explain_auto, pricing_tflops
-    register_sage2()
+    register_families()
     v = Verdict(sc, S)
     call = attention_call_here(S, arch=arch_name(sc.arch))
     fam = sc.family if sc.family in FAMILIES else None
@@ -188,7 +185,7 @@ def ck_verdicts(S: int, rt, budget_bytes: int | None = None) -> list[CkVerdict]:
     """comfy-kitchen's int8_attention (what ``--use-ck-attention`` runs on newer ComfyUI) at ``S``
     tokens: the installed version's envelope on a GPU (none where it is not usable: ``rt.ck_error``
     says why), both envelopes without one."""
-    from ..families import ck_int8  # noqa: F401  (registers the ck families)
+    register_families()
     if rt.arch is not None:
         if rt.ck_family not in FAMILIES:
             return []

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from ..families.envelope import FAMILIES
 from ..models.h3.dims import h3_tokens, is_h3_model
-from .preflight import ck_verdicts, register_sage2, scenarios_for, verdict
+from .preflight import ck_verdicts, register_families, scenarios_for, verdict
 from .preflight_text import ck_lines
 
 
 def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
     """Short lines for the SafeSage Attention node's status: up to how many H3 tokens this
     GPU's sage kernel runs as called, and the plan for the reporter's 1664x960x362 graph."""
-    register_sage2()
+    register_families()
     if comfy_wants_sage is None:
         from ..facts.devices import comfy_attention_choice
         comfy_wants_sage = comfy_attention_choice() == "sage"

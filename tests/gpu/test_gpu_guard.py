@@ -78,7 +78,7 @@ def test_unguarded_call_faults_or_is_wrong_in_a_subprocess():
 
 
 def test_probe_catches_a_kernel_wrong_on_the_tail():
-    from safe_ops.families.kernels import Kernel
+    from safe_ops.families.family import Kernel
     from safe_ops.attention.override import SafeAttention
     real = ga.sage_kern()
 
@@ -141,7 +141,7 @@ def test_legacy_stream_kernel_under_a_side_stream_is_correct_and_memory_returns(
 
 
 def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
-    from safe_ops.families.kernels import Kernel
+    from safe_ops.families.family import Kernel
     from safe_ops.attention.override import SafeAttention
     real = ga.sage_kern()
 
@@ -157,7 +157,7 @@ def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
 
 
 def test_probe_catches_nan_in_a_tail_row_of_the_second_batch_element():
-    from safe_ops.families.kernels import Kernel
+    from safe_ops.families.family import Kernel
     from safe_ops.attention.override import SafeAttention
     real = ga.sage_kern()
 

@@ -55,9 +55,10 @@ def _fresh():
 def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
     """A 6,000-key rule forces 2+ key chunks at 12,000 tokens: error vs SDPA at the kernel's own
     (unchunked) level, and the LSE the kernel returns is consistent across chunks."""
-    from safe_ops.families.kernels import Kernel, sage2_kernel
-    from safe_ops.families.sage2 import KvLenRule
-    kern = sage2_kernel(fam)
+    from safe_ops.families.family import Kernel
+    from safe_ops.families.registry import kernel_of
+    from safe_ops.families.rules import KvLenRule
+    kern = kernel_of(fam)
     if kern is None:
         pytest.skip(f"{fam}: this sageattention build has no such function")
     if torch.cuda.get_device_capability() < (8, 9) and "fp8" in fam:
@@ -93,7 +94,7 @@ def test_kv_chunks_real_kernel_matches_its_unchunked_self(fam):
 
 
 def test_ck_int8_when_installed():
-    from safe_ops.families.kernels import ck_kernel
+    from safe_ops.families.registry import ck_kernel
     from safe_ops.facts.devices import runtime
     kern = ck_kernel(runtime())
     if kern is None:
@@ -127,10 +128,11 @@ def test_kv_chunks_from_a_side_stream():
     """The legacy-stream hop with key chunks: same result from a side stream, and no growth of
     allocated memory once the call is done (every copy and chunk output allocator-ordered on the
     stream that reads it: nothing held)."""
-    from safe_ops.families.kernels import Kernel, sage2_kernel
-    from safe_ops.families.sage2 import KvLenRule
+    from safe_ops.families.family import Kernel
+    from safe_ops.families.registry import kernel_of
+    from safe_ops.families.rules import KvLenRule
     from safe_ops.attention import planner
-    kern = sage2_kernel("sage2_fp8pv_perwarp")
+    kern = kernel_of("sage2_fp8pv_perwarp")
     if kern is None or torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("per_warp FP8-PV kernel not available here")
     env = dataclasses.replace(kern.envelope, extra_rules=kern.envelope.extra_rules

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from safe_ops.ui import run_stats as report
-from safe_ops.families.kernels import Kernel
+from safe_ops.families.family import Kernel
 from safe_ops.attention.override import SafeAttention
 from safe_ops.attention.call_forms import UnsupportedCall, normalise
-from safe_ops.families.envelope import SAGE1_TRITON, AttnCall, IndexTerm, TensorDesc, check
+from safe_ops.families.envelope import AttnCall, IndexTerm, TensorDesc, check
+from safe_ops.families.sage1 import SAGE1_TRITON
 from safe_ops.policy import Policy
 from safe_ops.attention.verification import Verifier
 from safe_ops.facts.devices import Runtime
@@ -452,7 +453,7 @@ def test_probe_rows_and_heads_cover_the_tail_and_the_middle():
 # ------------------------------------------------------------------ kv_chunks
 def lse_envelope(limit, centred=True, family="toy_sage2"):
     """The toy envelope plus a key-length rule (sm_120's kind) and the LSE capability."""
-    from safe_ops.families.sage2 import KvLenRule
+    from safe_ops.families.rules import KvLenRule
     env = toy_envelope(family)
     return dataclasses.replace(env, returns_lse=True, lse_centred_k=centred,
                                extra_rules=(KvLenRule(family, limit, "test", "toy length rule"),))
@@ -651,11 +652,11 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
     import sys
     import types
 
-    import safe_ops.families.kernels as A
-    from safe_ops.families.sage_dispatch import SAGEATTN_CALL
+    import safe_ops.families.registry as A
     fake = types.ModuleType("sageattention")
-    for name, _ in SAGEATTN_CALL.values():
-        setattr(fake, name, lambda *a, **k: None)
+    for f in A.families().values():          # every function a sage 2 family is called through
+        if f.function.startswith("sageattention.sageattn_"):
+            setattr(fake, f.function.split(".", 1)[1], lambda *a, **k: None)
     monkeypatch.setitem(sys.modules, "sageattention", fake)
     table = {"archs": {"sm_90": {"tflops": {"sdpa": 556.0, "sage2_fp8pv_perwarp": 700.0,
                                             "sage2_sm90": 650.0, "sage2_sm120_fp8pv": 900.0}}}}

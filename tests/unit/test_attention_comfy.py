@@ -25,7 +25,7 @@ from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
 from safe_ops.attention.call_forms import comfy_function, unguarded_kind
 from safe_ops.families.envelope import FAMILIES
-from safe_ops.families.kernels import Kernel
+from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 
 from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope

@@ -8,8 +8,8 @@ import torch
 from safe_ops.attention import override as attention
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
-from safe_ops.families.envelope import SAGE1_TRITON
-from safe_ops.families.kernels import Kernel
+from safe_ops.families.sage1 import SAGE1_TRITON
+from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 from safe_ops.facts.devices import Runtime
 

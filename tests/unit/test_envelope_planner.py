@@ -3,7 +3,9 @@ import dataclasses
 
 import pytest
 
-from safe_ops.families.envelope import I32_MAX, SAGE1_TRITON, SDPA, AttnCall, TensorDesc, check
+from safe_ops.families.envelope import I32_MAX, AttnCall, TensorDesc, check
+from safe_ops.families.sage1 import SAGE1_TRITON
+from safe_ops.families.sdpa import SDPA
 from safe_ops.attention.planner import Plan, choose, plan_for
 
 H3_STRIDE = 3 * 56 * 128   # 21,504: the qkv_proj row of MiniMax H3
@@ -177,7 +179,8 @@ def test_plan_is_printable_data():
 def test_sm120_length_rule_gets_key_chunks_not_sdpa():
     """sage2_sm120_fp8pv refuses kv_len >= 150,000 (SageAttention #388): past it the planner
     splits the keys into equal 128-multiples below the rule, merged by LSE -- not SDPA."""
-    from safe_ops.families.sage2 import FP8_SM120_MAX_KV_LEN, SAGE2_SM120_FP8PV
+    from safe_ops.families.sage2 import FP8_SM120_MAX_KV_LEN
+    from safe_ops.families.sage2_sm120_fp8pv import SAGE2_SM120_FP8PV
     from safe_ops.attention.planner import _sub_call
     for S in (150_000, 169_000, 230_000, 314_437):
         call = call_of(h3_view(S), layout="NHD")
@@ -196,7 +199,8 @@ def test_priced_choice_counts_the_lse_kernel():
     in-limit keeps its kv_chunks plan only while its LSE kernel (x1.048, measured) and merge
     still beat SDPA; below that margin SDPA runs, chosen on purpose (no fallback reasons). A
     family that cannot run the call at all still makes SDPA a fallback."""
-    from safe_ops.families.sage2 import LSE_TIME_FACTOR, SAGE2_SM120_FP8PV
+    from safe_ops.families.sage2 import LSE_TIME_FACTOR
+    from safe_ops.families.sage2_sm120_fp8pv import SAGE2_SM120_FP8PV
     from safe_ops.attention.planner import estimated_us
     call = call_of(h3_view(169_000), layout="NHD")
     kv = choose(call, [SAGE2_SM120_FP8PV, SDPA])                       # unpriced: first that fits
@@ -224,7 +228,7 @@ def test_priced_choice_counts_the_lse_kernel():
 
 def test_no_lse_no_key_chunks():
     """A family that cannot return its LSE (sage 1.0.6 sageattn) keeps length rules hard."""
-    from safe_ops.families.sage2 import KvLenRule
+    from safe_ops.families.rules import KvLenRule
     env = dataclasses.replace(SAGE1_TRITON, extra_rules=(KvLenRule("sage1_triton", 150_000, "t", "t"),))
     assert not env.returns_lse
     t = TensorDesc.contiguous((1, 56, 169_000, 128), "NHD")

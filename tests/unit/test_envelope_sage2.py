@@ -1,11 +1,19 @@
 """SageAttention 2.2.0 envelopes: boundaries from the kernels' index arithmetic (pure data, no GPU)."""
 import pytest
 
+from safe_ops.families import registry
 from safe_ops.families import sage2 as S2
 from safe_ops.families.envelope import FAMILIES, I32_MAX, U32_MAX, AttnCall, TensorDesc, check
 from safe_ops.attention.planner import plan_for
-from safe_ops.families.sage_dispatch import RUNS_ON, SAGEATTN_CALL, sage_family_for
+from safe_ops.families.sage_dispatch import sage_family_for
 from test_predictions_measured import KV_SECTION, assert_covers, assert_same_plan
+
+# the sage 2.2 families as the registry holds them: envelopes, the function each is called through
+# (sageattention.<name>, arguments) and the archs a 2.2.0 build carries it on
+SAGE2 = [f for f in registry.families().values() if f.envelope.source == S2.SOURCE]
+SAGE2_FAMILIES = tuple(f.envelope for f in SAGE2)
+SAGEATTN_CALL = {f.name: (f.function.split(".", 1)[1], dict(f.arguments)) for f in SAGE2}
+RUNS_ON = {f.name: f.runs_on for f in SAGE2 if f.runs_on}
 
 H3_STRIDE = 3 * 56 * 128   # 21,504: one row of MiniMax H3's fused qkv_proj output
 
@@ -149,14 +157,14 @@ def test_sageattn_sm90_pads_v_itself(r):
 
 
 # ----------------------------------------------------------- shape rules
-@pytest.mark.parametrize("family", [f.family for f in S2.SAGE2_FAMILIES])
+@pytest.mark.parametrize("family", [f.family for f in SAGE2_FAMILIES])
 @pytest.mark.parametrize("d,ok", [(64, True), (128, True), (96, False), (256, False)])
 def test_head_dims(family, d, ok):
     c = call_of(hnd(4096, d=d))
     assert (viol(family, c, "head_dim") == []) == ok
 
 
-@pytest.mark.parametrize("family", [f.family for f in S2.SAGE2_FAMILIES])
+@pytest.mark.parametrize("family", [f.family for f in SAGE2_FAMILIES])
 def test_dtype_mask_and_stream(family):
     env = FAMILIES[family]
     assert viol(family, call_of(hnd(4096), dtype="float32"), "dtype")
@@ -189,7 +197,7 @@ def test_sm120_temp_bytes_at_169k_cover_the_h200_measurement():
     assert_covers(sm120, row["peak_extra_ref"], "sage2_sm120_fp8pv kernel temporaries at 169,000")
 
 
-@pytest.mark.parametrize("family", [f.family for f in S2.SAGE2_FAMILIES])
+@pytest.mark.parametrize("family", [f.family for f in SAGE2_FAMILIES])
 def test_temp_bytes_are_affine_in_the_length(family):
     """What a sage 2 launch allocates is rows per token (int8 q/k, V copies, the output, per-block
     scales) plus a few per-head vectors (k's mean, V's scale and mean): at lengths that are
@@ -227,7 +235,7 @@ def test_every_family_registered_cited_and_reachable():
     """Every shipped sage 2 family is registered, cites the 2.2.0 sources, and some runtime can
     select it: sageattn dispatches to it, or kernels adds it where a 2.2 build carries it."""
     dispatched = {sage_family_for("2.2.0", (major, minor)) for major in range(7, 13) for minor in range(10)}
-    for f in S2.SAGE2_FAMILIES:
+    for f in SAGE2_FAMILIES:
         assert FAMILIES[f.family] is f
         for t in f.terms:
             assert t.cite.startswith("SageAttention@v2.2.0:"), t
@@ -237,14 +245,14 @@ def test_every_family_registered_cited_and_reachable():
     assert set(RUNS_ON) <= set(SAGEATTN_CALL) and (dispatched - {None}) <= set(SAGEATTN_CALL)
     # families no runtime selects are documentation (docs/DESIGN.md), not shipped envelopes
     for gone in ("sage2_sm90_unpadded_v", "sage3_blackwell"):
-        assert gone not in FAMILIES and gone not in {f.family for f in S2.SAGE2_FAMILIES}
+        assert gone not in FAMILIES and gone not in {f.family for f in SAGE2_FAMILIES}
 
 
 def test_roles_sage_makes_are_checked_by_check_itself():
     """The tensors sage makes (k - km, transposed/fp8 V, ...) are ordinary roles: their terms sit in
     Envelope.terms and check() alone reports them -- no extra rule is needed for them."""
     import dataclasses
-    bare = {f.family: dataclasses.replace(f, extra_rules=()) for f in S2.SAGE2_FAMILIES}
+    bare = {f.family: dataclasses.replace(f, extra_rules=()) for f in SAGE2_FAMILIES}
     # per_warp HND past 610,048: only the transposed fp8 V (role v_t) overflows
     v = check(call_of(hnd(610_049)), bare["sage2_fp8pv_perwarp"])
     assert v and {x.tensor for x in v} == {"v_t"} and all(x.rule == "index" for x in v)
@@ -255,7 +263,7 @@ def test_roles_sage_makes_are_checked_by_check_itself():
     v = check(call_of(hnd(299_521)), bare["sage2_sm90"])
     assert [(x.tensor, x.axis) for x in v] == [("v_t128", "b")]
     # the only rule left beside the terms is sm_120's evidence-based length limit
-    assert {type(r).__name__ for f in S2.SAGE2_FAMILIES for r in f.extra_rules} == {"KvLenRule"}
+    assert {type(r).__name__ for f in SAGE2_FAMILIES for r in f.extra_rules} == {"KvLenRule"}
 
 
 def test_plans_match_the_committed_h200_families_run():

@@ -167,7 +167,7 @@ def test_demo_runs_on_cpu(capsys):
 def test_v_layout_per_tree_changes_which_limits_h3_crosses():
     """783545f6 copies V (token stride 7,168): sage 2.2's u32 V terms then wrap 3x later than for
     0dd9b154's view (21,504), so at 199,730 tokens only the strided V crosses them."""
-    from safe_ops.families import sage2  # noqa: F401  (registers the sage 2.x families)
+    from safe_ops.families import registry  # noqa: F401  (registers every family)
     from safe_ops.families.envelope import FAMILIES, check
     strided = h3_attention_call(199_730)
     copied = h3_attention_call(199_730, v_layout="contiguous")

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from safe_ops.families import sage2  # noqa: F401  (registers the sage 2.x families)
-from safe_ops.families.envelope import FAMILIES, SAGE1_TRITON, AttnCall, TensorDesc
-from safe_ops.families.sage2 import KvLenRule
+from safe_ops.families import registry  # noqa: F401  (registers every family)
+from safe_ops.families.envelope import FAMILIES, AttnCall, TensorDesc
+from safe_ops.families.sage1 import SAGE1_TRITON
+from safe_ops.families.rules import KvLenRule
 from safe_ops.attention.planner import plan_for
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"

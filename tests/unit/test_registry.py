@@ -28,6 +28,19 @@ SCANNER_PATTERNS = {
 # Occurrences in files another part of the project owns, each pinned to its exact line so that
 # a new occurrence still fails. Remove an entry when its line is fixed (the test then says so).
 PENDING: set = set()
+# Occurrences the pack keeps on purpose, each pinned to its exact line with the reason, so that any
+# other occurrence still fails: the kernel-family registry's developer hook, SAFESAGE_EXTRA_FAMILIES
+# (docs/DEVELOPING.md): unset in normal use, it names modules whose families join the shipped ones
+# (tests, the quality guard's fake families, a family under development) -- in a test process and in
+# a ComfyUI server started with it. It is the one environment variable the shipped pack reads, read
+# in one function, and the one dynamic import. The registry scanner may flag these two lines.
+ALLOWED = {
+    ("safe_ops/families/registry.py",
+     'return [m.strip() for m in os.environ.get(EXTRA_FAMILIES_VARIABLE, "").split(",") if m.strip()]'):
+        "extra_family_modules(): reads SAFESAGE_EXTRA_FAMILIES",
+    ("safe_ops/families/registry.py", "out.extend(families_of(importlib.import_module(name)))"):
+        "_extra_families(): imports the modules it names",
+}
 
 
 def _ignore_patterns() -> list[str]:
@@ -107,6 +120,7 @@ def test_readme_links_ship():
 def test_no_scanner_patterns_in_shipped_code():
     hits = []
     pending_seen = set()
+    allowed_seen = set()
     for f in shipped_files():
         if not f.endswith((".py", ".js")):
             continue
@@ -115,10 +129,13 @@ def test_no_scanner_patterns_in_shipped_code():
                 if rx.search(line):
                     if (f, line) in PENDING:
                         pending_seen.add((f, line))
+                    elif (f, line.strip()) in ALLOWED:
+                        allowed_seen.add((f, line.strip()))
                     else:
                         hits.append("%s:%d: %s: %s" % (f, n, name, line.strip()))
     assert not hits, "\n".join(hits)
     assert pending_seen == PENDING, "fixed, drop from PENDING: %s" % sorted(PENDING - pending_seen)
+    assert allowed_seen == set(ALLOWED), "gone, drop from ALLOWED: %s" % sorted(set(ALLOWED) - allowed_seen)
 
 
 def test_pyproject_registry_fields():
