@@ -106,8 +106,9 @@ def guarded_att(family: str, device: str):
     from safe_ops.attention.override import SafeAttention
     from safe_ops.policy import Policy
     if family == "fake_cpu":
-        from safe_ops.families.envelope import SAGE1_TRITON
-        from safe_ops.families.kernels import SDPA_KERNEL, Kernel
+        from safe_ops.families.family import Kernel
+        from safe_ops.families.sage1 import SAGE1_TRITON
+        from safe_ops.families.sdpa import SDPA_KERNEL
         from safe_ops.facts.devices import runtime
         env = dataclasses.replace(SAGE1_TRITON, family="fake_cpu", devices=("cpu",), head_dims=(16, 32, 64, 128))
         return SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(env, SDPA_KERNEL.fn, 0.05)],

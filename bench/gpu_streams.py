@@ -111,7 +111,7 @@ def negative_verdict(arms: dict) -> dict:
 # ------------------------------------------------------------------------- negative controls
 def guarded(family: str):
     from safe_ops.attention.override import SafeAttention
-    from safe_ops.families.kernels import sage2_kernel
+    from safe_ops.families.registry import kernel_of as sage2_kernel
     from safe_ops.policy import Policy
     from safe_ops.facts.devices import runtime
     kern = sage2_kernel(family)
@@ -229,16 +229,16 @@ def stream_verdict(observed: dict, launches_on_legacy_stream: bool) -> dict:
 def available_kernels(only: list[str] | None) -> dict:
     """family -> Kernel for every family this environment can call (or an error string)."""
     from safe_ops.families.envelope import FAMILIES
-    from safe_ops.families.kernels import ck_kernel, sage2_kernel, sage_kernel
     from safe_ops.facts.devices import runtime
-    from safe_ops.families.sage_dispatch import SAGE1, SAGEATTN_CALL
+    from safe_ops.families.registry import ck_kernel, families, kernel_of, sage_kernel
+    from safe_ops.families.sage_dispatch import SAGE1
     rt = runtime()
     out: dict = {}
     if rt.sage_version and rt.sage_version.startswith("1."):
         out[SAGE1] = sage_kernel(rt) or "sage 1.x kernel unavailable"
     elif rt.sage_version:
-        for fam in SAGEATTN_CALL:
-            out[fam] = sage2_kernel(fam) or "not in this build"
+        for fam in [name for name in families() if name.startswith("sage2_")]:
+            out[fam] = kernel_of(fam) or "not in this build"
     out[rt.ck_family or "ck_int8"] = ck_kernel(rt) or f"comfy-kitchen: {rt.ck_error}"
     return {f: k for f, k in out.items() if (only is None or f in only) and (f in FAMILIES or isinstance(k, str))}
 

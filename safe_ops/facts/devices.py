@@ -46,9 +46,12 @@ class Runtime:
 
     def kernel_build(self, family: str) -> str:
         """The build that runs ``family`` here: package version and the file it was loaded from."""
+        from ..families.registry import family_kind    # the families know their kind (no import circle)
         kind = family_kind(family)
         if kind == "sdpa":
             return f"torch {self.torch_version}"
+        if kind not in ("sage", "ck"):
+            return f"{family} (a family of its own module)"
         name, version, path = (("sageattention", self.sage_version, self.sage_file) if kind == "sage"
                                else ("comfy-kitchen", self.ck_version, self.ck_file))
         return f"{name} {version or 'unknown'}" + (f", {path}" if path else "")

@@ -18,7 +18,7 @@ FAMILY = os.environ.get("SAFESAGE_BENCH_FAMILY") or "sage2_fp8pv_perwarp"
 
 
 def test_each_ordering_of_the_hop_removed_corrupts_and_the_pack_does_not():
-    from safe_ops.families.kernels import sage2_kernel
+    from safe_ops.families.registry import kernel_of as sage2_kernel
     k = sage2_kernel(FAMILY)
     if k is None or not k.envelope.launches_on_legacy_stream:
         pytest.skip(f"{FAMILY}: not a legacy-stream family of this sageattention build (needs sage 2.2)")

@@ -13,7 +13,7 @@ import safe_ops.attention.override as A
 import safe_ops.attention.streams as S
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
-from safe_ops.families.kernels import Kernel
+from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 
 from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope

@@ -9,7 +9,7 @@ import torch
 
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
-from safe_ops.families.kernels import Kernel
+from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 
 from comfy_attention_fn import attention, wrap_attn

@@ -7,7 +7,7 @@ import torch
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
 from safe_ops.attention.executor import is_build_error
-from safe_ops.families.kernels import Kernel
+from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 
 from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope

@@ -68,7 +68,7 @@ import pytest  # noqa: E402
 
 from safe_ops.ui import run_stats  # noqa: E402
 from safe_ops.attention.executor import Executor  # noqa: E402
-from safe_ops.families.kernels import Kernel  # noqa: E402
+from safe_ops.families.family import Kernel  # noqa: E402
 
 from test_attention import toy_envelope  # noqa: E402
 

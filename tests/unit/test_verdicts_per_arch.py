@@ -16,7 +16,7 @@ import torch
 from safe_ops.attention import override as attention
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
-from safe_ops.families.kernels import Kernel
+from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 from safe_ops.attention.verification import Verifier
 from safe_ops.facts.devices import Runtime
