@@ -10,7 +10,7 @@ Modes (same process, same weights and input):
              LoRA path): each weight dequantised to bf16 once per MLP call
              (``q.to(bf16) * scale``, comfy-kitchen's formula), then
              unpatched: fc1 over all tokens -> ``_swiglu_eager`` -> fc2
-             chunked:   safe_ops.models.h3.mlp.chunked_swiglu with the same dequantised weights.
+             chunked:   safe_ops.models.h3.mlp_reference.chunked_swiglu with the same dequantised weights.
   scaled_mm  ComfyUI's native fp8 path (mixed_precision_ops + comfy-kitchen): each Linear
              quantises its input to fp8 with scale 1.0 and runs ``torch._scaled_mm``
              (unpatched: whole-sequence input copies; chunked: the same function per chunk
@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from safe_ops.models.h3 import mlp, mlp_plan
+from safe_ops.models.h3 import mlp, mlp_plan, mlp_reference
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -77,7 +77,7 @@ def dequant_chunked(x, W, chunk):
     (q1, s1), (q2, s2) = W
     w1 = dequant(q1, s1, x.dtype)
     w2 = dequant(q2, s2, x.dtype)
-    return mlp.chunked_swiglu(x, w1, None, w2, None, chunk)
+    return mlp_reference.chunked_swiglu(x, w1, None, w2, None, chunk)
 
 
 # -- scaled_mm mode ---------------------------------------------------------------------

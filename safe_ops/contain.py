@@ -21,7 +21,7 @@ import os
 from typing import Any, Callable
 
 from .ui import run_stats
-from .attention.executor import is_cuda_error
+from .attention.errors import is_cuda_error
 
 log = logging.getLogger("SafeSage")
 

@@ -45,7 +45,7 @@ from .families.family import Kernel
 from .families.registry import sage_kernel
 from .families.envelope import AttnCall, TensorDesc, check
 from .families.sage1 import SAGE1_TRITON
-from .models.h3.mlp import chunked_swiglu, reference_swiglu
+from .models.h3.mlp_reference import chunked_swiglu, reference_swiglu
 from .policy import Policy
 from .models.h3.dims import H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, h3_tokens
 from .ui.preflight import preflight

@@ -17,10 +17,11 @@ from .facts import compiler
 from . import contain
 from .ui import run_stats
 from .attention.override import SafeAttention
-from .attention.call_forms import function_name, unguarded_kind
+from .attention.comfy_functions import function_name, unguarded_kind
 from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
-from .facts.devices import explain_auto, runtime
+from .attention.kernel_choice import explain_auto
+from .facts.devices import runtime
 from .ui.status import process_lines
 
 log = logging.getLogger("SafeSage")

@@ -27,17 +27,19 @@ from .. import contain
 from ..ui import run_stats
 from .special_calls import INSIDE, ContextCalls, compiling, special_context, unwrap_attn
 from ..facts.budget import BudgetReader
-from .call_forms import (Normalised, UnsupportedCall, _desc, _dtype_name, comfy_function, function_name, normalise,
-                         unguarded_kind)
+from .call_forms import Normalised, UnsupportedCall, _desc, _dtype_name, normalise
+from .comfy_functions import comfy_function, function_name, unguarded_kind
 from ..families.envelope import FAMILIES, AttnCall, check
-from .executor import Executor, is_build_error, is_cuda_error, is_oom
+from .errors import is_build_error, is_cuda_error, is_oom
+from .executor import Executor
 from ..families.family import Kernel
 from ..families.sdpa import SDPA_KERNEL
 from ..families.registry import family_kind, installed_kernels
 from .planner import Plan, choose
 from ..policy import Policy
 from .verification import Verifier, class_key, compare
-from ..facts.devices import Runtime, auto_order, comfy_attention_choice, pricing_tflops, runtime
+from ..facts.devices import Runtime, runtime
+from .kernel_choice import auto_order, comfy_attention_choice, pricing_tflops
 
 log = logging.getLogger("SafeSage")
 

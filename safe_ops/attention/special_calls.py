@@ -33,7 +33,7 @@ from .. import contain
 from . import opaque_op
 from ..ui import run_stats
 from .call_forms import UnsupportedCall, comfy_function, normalise
-from .executor import is_cuda_error
+from .errors import is_cuda_error
 
 log = logging.getLogger("SafeSage")
 

@@ -10,16 +10,12 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import json
-import os
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from ..families.sage_dispatch import sage_family_for
-
-_TABLE_PATH = os.path.join(os.path.dirname(__file__), "kernel_table.json")
 
 
 @dataclass(frozen=True)
@@ -184,124 +180,3 @@ def _ck_facts(arch: tuple[int, int] | None) -> tuple[str | None, str | None, str
     return version, family, None
 
 
-@functools.lru_cache(maxsize=1)
-def kernel_table() -> dict:
-    """Measured throughput per (arch, kernel family); see docs/BENCHMARKS.md."""
-    try:
-        with open(_TABLE_PATH) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
-
-
-
-def pricing_tflops(kernel_policy: str, arch_name: str) -> dict | None:
-    """The TFLOP/s that price plans against SDPA (``planner.choose``): only ``auto``, only on a
-    GPU the table measured. One rule for the attention override and Preflight's prediction."""
-    return (measured_tflops(arch_name) or None) if kernel_policy == "auto" else None
-
-
-def measured_tflops(arch_name: str) -> dict:
-    """Measured TFLOP/s per family on ``arch_name`` (aliases filled in); {} when unmeasured."""
-    # Families that run the same kernel and differ only in their (version-dependent) envelope share
-    # one measured number (each family's KernelFamily.table_name: comfy-kitchen 0.2.29-0.2.35 and
-    # 0.2.36-0.2.40 time the same int8_attention)
-    from ..families.registry import table_aliases
-    tflops = dict(kernel_table().get("archs", {}).get(arch_name, {}).get("tflops", {}))
-    for alias, name in table_aliases().items():
-        if alias in tflops or name in tflops:
-            tflops.setdefault(name, tflops.get(alias))
-            tflops.setdefault(alias, tflops[name])
-    return tflops
-
-
-def measured_order(arch_name: str, families: list[str]) -> list[str] | None:
-    """Families sorted fastest first by the measured table, or None if this arch is unmeasured."""
-    tflops = measured_tflops(arch_name)
-    if not tflops:
-        return None
-    known = [f for f in families if f in tflops]
-    if not known:
-        return None
-    known.sort(key=lambda f: -tflops[f])
-    return known + [f for f in families if f not in tflops]
-
-
-# ------------------------------------------------------------------ auto's order
-def comfy_attention_choice() -> str | None:
-    """What ComfyUI itself was configured to run, from its flags if ComfyUI is loaded
-    (``--use-sage-attention``, ``--use-ck-attention``): "sage", "ck" (comfy-kitchen int8) or None
-    (PyTorch/other). Per call, the function ComfyUI hands the override says it instead
-    (comfy_call.unguarded_kind)."""
-    mm = sys.modules.get("comfy.model_management")
-    fn = getattr(mm, "sage_attention_enabled", None)
-    try:
-        if callable(fn) and fn():
-            return "sage"
-    except Exception:
-        pass
-    cli = sys.modules.get("comfy.cli_args")
-    if cli is not None and getattr(getattr(cli, "args", None), "use_ck_attention", False):
-        return "ck"
-    return None
-
-
-
-
-def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) -> tuple[list[str], str]:
-    """``auto``'s preference over ``families`` (installed, non-SDPA) plus "sdpa", and why.
-
-    Measured GPU (kernel_table.json): fastest first by measured TFLOP/s; families with no
-    number follow. Unmeasured GPU: what ComfyUI was configured to run first, then SDPA; a
-    family ComfyUI was not configured for comes after SDPA (never used by ``auto``)."""
-    order = measured_order(arch_name, families + ["sdpa"])
-    if order is not None:
-        tflops = measured_tflops(arch_name)
-        first = order[0]
-        rest = ", ".join(f"{f} {tflops[f]:.0f}" for f in order[1:] if f in tflops)
-        unmeasured = [f for f in order if f not in tflops]
-        why = (f"it measured fastest on {arch_name} ({tflops[first]:.0f} TFLOP/s"
-               + (f"; {rest}" if rest else "")
-               + (f"; not measured: {', '.join(unmeasured)}" if unmeasured else "")
-               + "; safe_ops/facts/kernel_table.json)")
-        return order, why
-    from ..families.registry import family_kind
-    wanted = [f for f in families if comfy_choice is not None and family_kind(f) == comfy_choice]
-    others = [f for f in families if f not in wanted]
-    if wanted:
-        flag = {"sage": "--use-sage-attention", "ck": "--use-ck-attention"}[comfy_choice]
-        return wanted + ["sdpa"] + others, (
-            f"{arch_name} has no measurement here and ComfyUI is set to run it ({flag})")
-    if comfy_choice is not None:
-        return ["sdpa"] + families, (f"{arch_name} has no measurement here and the kernel ComfyUI is set to "
-                                     f"run ({comfy_choice}) is not usable here")
-    return ["sdpa"] + families, (f"{arch_name} has no measurement here and ComfyUI runs PyTorch attention "
-                                 "(start ComfyUI with --use-sage-attention or --use-ck-attention to prefer those)")
-
-
-def explain_auto(rt: Runtime, families: list[str], comfy_choice: str | None = None,
-                 kernel_policy: str = "auto") -> str:
-    """One plain-language line for the node's status: which kernel ``auto`` prefers and why.
-
-    ``families``: the installed non-SDPA families (e.g. ``SafeAttention.kernels`` minus sdpa).
-    Per call, the planner still falls back down the order when a kernel cannot run a call
-    safely (those fallbacks are counted and logged separately), and on a measured GPU runs
-    SDPA where it is cheaper than the preferred kernel's plan for that call (planner.choose)."""
-    if kernel_policy == "sdpa":
-        return ("kernel 'sdpa': ComfyUI's own attention for every call, as asked (never SageAttention or INT8 "
-                "attention: PyTorch attention where ComfyUI is set to one)")
-    if kernel_policy == "sage":
-        if not families:
-            return (f"kernel 'sage' asked, but no sage kernel is usable ({rt.sage_error}); "
-                    "every call runs ComfyUI's own attention")
-        return (f"kernel 'sage': {families[0]} first, as asked (ComfyUI's own attention only for calls it cannot "
-                "run safely)")
-    if not families:
-        return (f"auto picked ComfyUI's own attention because no sage-family kernel is usable here "
-                f"(sageattention: {rt.sage_error}; comfy-kitchen: {rt.ck_error})")
-    if comfy_choice is None:
-        comfy_choice = comfy_attention_choice()
-    order, why = auto_order(rt.arch_name, families, comfy_choice)
-    name = "ComfyUI's own attention (PyTorch SDPA)" if order[0] == "sdpa" else order[0]
-    return f"auto picked {name} because {why}"

@@ -26,6 +26,7 @@ import types
 
 from . import (ck_int8, envelope, family as family_mod, rules, sage1, sage2_fp8pv_perwarp, sage2_sm80,
                sage2_sm86_triton, sage2_sm89_fp8pv, sage2_sm90, sage2_sm120_fp8pv, sdpa)
+from ..facts.kernel_table import measured_tflops
 from .envelope import register
 from .family import Kernel, KernelFamily
 from .rules import KvLenRule
@@ -112,7 +113,6 @@ def installed_kernels(rt) -> list[Kernel]:
     there; an unmeasured family could shadow the dispatch family's evidence-based rules, e.g.
     per_warp FP8-PV on sm_120 without #388's length rule), fastest first; then comfy-kitchen;
     then every family with a ``detect`` of its own that detects this runtime (extra families)."""
-    from ..facts.devices import measured_tflops
     first = sage_kernel(rt)
     out = [first]
     if (first is not None and first.family != SAGE1 and rt.arch is not None

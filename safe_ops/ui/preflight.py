@@ -126,7 +126,8 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
     import torch
 
     from ..models.h3.mlp_plan import resolve_chunk
-    from ..facts.devices import Runtime, explain_auto, pricing_tflops
+    from ..attention.kernel_choice import explain_auto, pricing_tflops
+    from ..facts.devices import Runtime
     register_families()
     v = Verdict(sc, S)
     call = attention_call_here(S, arch=arch_name(sc.arch))
@@ -232,7 +233,7 @@ def assess(width: int, height: int, length: int, ref_images: int = 0, text_token
     policy = policy or Policy()
     rt = rt or runtime()
     if comfy_wants_sage is None:
-        from ..facts.devices import comfy_attention_choice
+        from ..attention.kernel_choice import comfy_attention_choice
         comfy_wants_sage = comfy_attention_choice() == "sage"
     t = packed_tokens(width, height, length, ref_images, text_tokens)
     S = t.total

@@ -19,7 +19,7 @@ def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
     GPU's sage kernel runs as called, and the plan for the reporter's 1664x960x362 graph."""
     register_families()
     if comfy_wants_sage is None:
-        from ..facts.devices import comfy_attention_choice
+        from ..attention.kernel_choice import comfy_attention_choice
         comfy_wants_sage = comfy_attention_choice() == "sage"
     S = h3_tokens(1664, 960, 362, ref_images=3).total
     out = []

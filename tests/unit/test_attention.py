@@ -493,7 +493,7 @@ def test_auto_prices_kv_chunks_against_sdpa(small_kv_chunks, monkeypatch, toy_tf
     its kv_chunks plan pays its LSE kernel (x1.3 here): 2x faster still chunks, 5 % faster runs
     SDPA -- on purpose, so not counted as a fallback."""
     comfy = ComfyFunc()
-    from safe_ops.facts import devices as R
+    from safe_ops.facts import kernel_table as R
     table = {"archs": {"sm_120": {"tflops": {"toy_sage2": toy_tflops, "sdpa": 0.001}}}}
     monkeypatch.setattr(R, "kernel_table", lambda: table)
     env = dataclasses.replace(lse_envelope(100), lse_time_factor=1.3)
@@ -620,8 +620,8 @@ def test_plan_follows_the_budget_when_free_memory_moves():
 
 
 def test_auto_order_and_explanation(monkeypatch):
-    from safe_ops.attention.call_forms import unguarded_kind
-    from safe_ops.facts.devices import auto_order, explain_auto
+    from safe_ops.attention.comfy_functions import unguarded_kind
+    from safe_ops.attention.kernel_choice import auto_order, explain_auto
 
     def attention_sage(): pass                       # noqa: E704 -- other packs' functions: by name
     def attention_comfy_kitchen_int8(): pass         # noqa: E704
@@ -637,7 +637,7 @@ def test_auto_order_and_explanation(monkeypatch):
     line = explain_auto(rt, fams, "ck")
     assert line.startswith("auto picked ck_int8 because") and "--use-ck-attention" in line
     assert explain_auto(rt, [], None).startswith("auto picked ComfyUI's own attention because no sage-family")
-    from safe_ops.facts import devices as R
+    from safe_ops.facts import kernel_table as R
     table = {"archs": {"sm_120": {"tflops": {"sdpa": 300.0, "ck_int8": 500.0}}}}
     monkeypatch.setattr(R, "kernel_table", lambda: table)
     order, why = auto_order("sm_120", ["sage2_sm120_fp8pv", "ck_int8_pre236"], None)
@@ -660,7 +660,7 @@ def test_installed_kernels_add_only_measured_sage2_families(monkeypatch):
     monkeypatch.setitem(sys.modules, "sageattention", fake)
     table = {"archs": {"sm_90": {"tflops": {"sdpa": 556.0, "sage2_fp8pv_perwarp": 700.0,
                                             "sage2_sm90": 650.0, "sage2_sm120_fp8pv": 900.0}}}}
-    monkeypatch.setattr("safe_ops.facts.devices.kernel_table", lambda: table)
+    monkeypatch.setattr("safe_ops.facts.kernel_table.kernel_table", lambda: table)
     h200 = Runtime("t", None, "H200", (9, 0), "2.2.0", "sage2_sm90", None, None, None, None)
     fams = [k.family for k in A.installed_kernels(h200)]
     assert fams == ["sage2_sm90", "sage2_fp8pv_perwarp"]            # sm120 kernel does not run on sm_90
@@ -692,7 +692,7 @@ def test_comfy_flags_name_the_configured_kernel(monkeypatch):
     import sys
     import types
 
-    from safe_ops.facts.devices import comfy_attention_choice
+    from safe_ops.attention.kernel_choice import comfy_attention_choice
     assert comfy_attention_choice() is None                          # ComfyUI not loaded
     cli = types.ModuleType("comfy.cli_args")
     cli.args = types.SimpleNamespace(use_ck_attention=True)

@@ -23,7 +23,7 @@ import torch
 
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
-from safe_ops.attention.call_forms import comfy_function, unguarded_kind
+from safe_ops.attention.comfy_functions import comfy_function, unguarded_kind
 from safe_ops.families.envelope import FAMILIES
 from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy

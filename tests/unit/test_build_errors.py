@@ -1,12 +1,12 @@
 """Only a kernel build that cannot run here switches a family off for the process; an error that
 refuses one call (a NotImplementedError for one shape) sends that call to ComfyUI's own attention
-and leaves the family on (executor.is_build_error)."""
+and leaves the family on (attention.errors.is_build_error)."""
 import pytest
 import torch
 
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
-from safe_ops.attention.executor import is_build_error
+from safe_ops.attention.errors import is_build_error
 from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 

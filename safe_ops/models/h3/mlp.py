@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ...facts import compiler
 from ... import contain
@@ -89,27 +88,6 @@ def run_chunked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chu
         out2[a:a + c].copy_(y)
         del y
     return out if out is not None else out2.reshape(*lead, out2.shape[-1])
-
-
-def reference_swiglu(x: torch.Tensor, fc1_weight, fc1_bias, fc2_weight, fc2_bias) -> torch.Tensor:
-    """A plain-torch SwiGLU MLP in the form H3 uses (gate = first half of fc1's output), for the
-    demo and the tests that need no ComfyUI: fc1 -> ``silu(gate).mul_(up)`` -> fc2."""
-    h = F.linear(x, fc1_weight, fc1_bias)
-    gate, up = h.chunk(2, dim=-1)
-    return F.linear(F.silu(gate).mul_(up), fc2_weight, fc2_bias)
-
-
-def chunked_swiglu(x: torch.Tensor, fc1_weight, fc1_bias, fc2_weight, fc2_bias, chunk_tokens: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`reference_swiglu` over token chunks (the chunk loop of the H3 forward, on plain
-    weights). ``out`` must be ``[..., hidden_out]`` or ``[S, hidden_out]``."""
-    if out is not None:
-        n_out = fc2_weight.shape[0]
-        S = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if tuple(out.shape) not in ((*x.shape[:-1], n_out), (S, n_out)):
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {(*x.shape[:-1], n_out)}")
-    return run_chunked(lambda xc: reference_swiglu(xc, fc1_weight, fc1_bias, fc2_weight, fc2_bias),
-                       x, chunk_tokens, out)
 
 
 # ---------------------------------------------------------------------------------------
