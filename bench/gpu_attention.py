@@ -134,7 +134,7 @@ def comfy_attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape
     return o if skip_output_reshape else o.transpose(1, 2).flatten(2)
 
 
-_noop = comfy_attention        # the name the benches and GPU tests call it by
+noop = comfy_attention        # the name the benches and GPU tests call it by
 
 
 # ------------------------------------------------------------------ unguarded child
@@ -232,7 +232,7 @@ def stress(args) -> dict:
                 if stream_name == "side":
                     side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(st):
-                    o = att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+                    o = att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
                 torch.cuda.current_stream().wait_stream(st)
                 torch.cuda.synchronize()
                 heads = per_head_rel(o, ref)
@@ -293,7 +293,7 @@ def bench(args) -> dict:
         qc, kc, vc = (t.contiguous() for t in (q, k, v))
         run_stats.reset()
         att = guarded()
-        g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+        g = lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
         kin = lambda: raw_sage(qc, kc, vc)  # noqa: E731
         sd = lambda: sdpa(q, k, v)  # noqa: E731
         reps = args.reps
@@ -312,10 +312,10 @@ def bench(args) -> dict:
 
             from safe_ops.attention.call_forms import normalise
             from safe_ops.families.envelope import check
-            from safe_ops.attention.planner import _sub_call
+            from safe_ops.attention.planner import sub_call
             alt = dataclasses.replace(plan, layout="HND" if plan.layout == "NHD" else "NHD")
             call = next(iter(att._prepared.values())).call
-            if not check(_sub_call(call, plan.head_group or HEADS, plan.q_chunk or S, alt.repack, alt.layout),
+            if not check(sub_call(call, plan.head_group or HEADS, plan.q_chunk or S, alt.repack, alt.layout),
                          att.kernels[plan.kernel].envelope):
                 nn = normalise((q, k, v, HEADS), {"skip_reshape": True, "skip_output_reshape": True})
                 alt_ms = _time_ms(lambda: att.executor.run(alt, nn), reps)
@@ -353,10 +353,10 @@ def host_overhead(S: int, n: int = 400) -> dict:
     pre = torch.empty_like(q, memory_format=torch.contiguous_format)
     null_fn = lambda q_, k_, v_, layout, scale: pre  # noqa: E731
     null = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(SAGE1_TRITON, null_fn)])
-    fns = {"guarded": lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True),
+    fns = {"guarded": lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True),
            "raw_sage": lambda: raw_sage(q, k, v),
            "sdpa": lambda: sdpa(q, k, v),
-           "guard_null_kernel": lambda: null(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True),
+           "guard_null_kernel": lambda: null(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True),
            "null_kernel": lambda: null_fn(q, k, v, "HND", None)}
     res = {"S": S, "calls": n}
     for name, fn in fns.items():
@@ -393,9 +393,9 @@ def probe(args) -> dict:
         # real sage: probe verdict and overhead of the first (probed) call vs the second
         run_stats.reset()
         att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[real], rt=rt)
-        call = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+        call = lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
         att_np = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[real], rt=rt)
-        call_np = lambda: att_np(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+        call_np = lambda: att_np(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
         call_np()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -426,7 +426,7 @@ def probe(args) -> dict:
         run_stats.reset()
         bad = Kernel(real.envelope, broken, real.tolerance)
         att_b = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[bad], rt=rt)
-        ob = att_b(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+        ob = att_b(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
         ref = sdpa(q, k, v)
         row.update(broken_caught=int(run_stats.STATS["probe_failures"]) == 1,
                    broken_output_rel_err_vs_sdpa=rel_l2(ob, ref),

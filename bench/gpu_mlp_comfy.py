@@ -145,8 +145,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims (hidden 64, ffn 96): checks the script only")
     a = ap.parse_args()
     global DEV, HIDDEN, FFN
-    from synth_h3 import _setup_comfy
-    _setup_comfy(a.comfy)
+    from synth_h3 import setup_comfy
+    setup_comfy(a.comfy)
     if a.smoke:
         DEV, HIDDEN, FFN = "cpu", 64, 96
         import comfy.cli_args

@@ -46,7 +46,7 @@ REAL = dict(
 QUANT_SUFFIXES = (".attn.qkv_proj", ".attn.out_proj", ".mlp.fc1", ".mlp.fc2")
 
 
-def _setup_comfy(root: str | None):
+def setup_comfy(root: str | None):
     root = root or os.environ.get("COMFYUI_PATH")
     if not root or not os.path.isfile(os.path.join(root, "comfy", "model_management.py")):
         sys.exit("synth_h3: --comfy / COMFYUI_PATH must point at a ComfyUI tree with MiniMax H3 (0dd9b154)")
@@ -171,7 +171,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true",
                     help="tiny dims (hidden 256, 2x128 heads, ffn 512) for CPU smoke tests; not H3-sized")
     a = ap.parse_args(argv)
-    _setup_comfy(a.comfy)
+    setup_comfy(a.comfy)
     import comfy.cli_args
     import torch
     if a.device == "cpu" or not torch.cuda.is_available():

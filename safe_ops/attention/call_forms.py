@@ -16,11 +16,13 @@ import torch
 from ..families.envelope import TensorDesc
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (how envelopes name dtypes)."""
     return str(dt).replace("torch.", "")
 
 
-def _desc(t: torch.Tensor) -> TensorDesc:
+def describe_tensor(t: torch.Tensor) -> TensorDesc:
+    """A tensor's shape and strides, as an envelope sees it."""
     return TensorDesc(tuple(t.shape), tuple(t.stride()))
 
 

@@ -27,7 +27,7 @@ from .. import contain
 from ..ui import run_stats
 from .special_calls import INSIDE, ContextCalls, compiling, special_context, unwrap_attn
 from ..facts.budget import BudgetReader
-from .call_forms import Normalised, UnsupportedCall, _desc, _dtype_name, normalise
+from .call_forms import Normalised, UnsupportedCall, describe_tensor, dtype_name, normalise
 from .comfy_functions import comfy_function, function_name, unguarded_kind
 from ..families.envelope import FAMILIES, AttnCall, check
 from .errors import is_build_error, is_cuda_error, is_oom
@@ -398,7 +398,7 @@ class SafeAttention(ContextCalls):
 
     def _describe(self, n: Normalised) -> AttnCall:
         q, k, v = n.q, n.k, n.v
-        return AttnCall(_desc(q), _desc(k), _desc(v), _dtype_name(q.dtype), n.caller_layout,
+        return AttnCall(describe_tensor(q), describe_tensor(k), describe_tensor(v), dtype_name(q.dtype), n.caller_layout,
                         n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
 
     def _prepare(self, n: Normalised, func: Callable | None) -> "_Prepared":

@@ -94,7 +94,7 @@ class Plan:
     __str__ = describe
 
 
-def _sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], layout: str,
+def sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], layout: str,
               kv_len: int | None = None) -> AttnCall:
     """The call one launch of a plan makes (worst-case group/chunk)."""
     kv_len = call.kv_len if kv_len is None else kv_len
@@ -166,7 +166,7 @@ def plan_for(call: AttnCall, env: Envelope, budget_bytes: int | None = None,
                 for kc in _kv_chunk_options(call, env, g, repack, layout):
                     # largest query chunk that fits for this (repack, g, kc)
                     def fits(qc: int, g=g, repack=repack, layout=layout, kc=kc) -> bool:
-                        return not check(_sub_call(call, g, qc, repack, layout, kc), env)
+                        return not check(sub_call(call, g, qc, repack, layout, kc), env)
                     qc_max = call.q_len if fits(call.q_len) else _largest_fitting(1, call.q_len, fits)
                     # try the largest fitting chunk first, then halve it while over budget
                     qc = qc_max
@@ -194,7 +194,7 @@ def _kv_chunk_options(call: AttnCall, env: Envelope, g: int, repack: tuple[str, 
     q1 = min(call.q_len, KV_ALIGN)
 
     def fits(kc: int) -> bool:
-        return not check(_sub_call(call, g, q1, repack, layout, kc * KV_ALIGN), env)
+        return not check(sub_call(call, g, q1, repack, layout, kc * KV_ALIGN), env)
 
     longest = _largest_fitting(1, -(-call.kv_len // KV_ALIGN), fits) * KV_ALIGN
     if longest < MIN_KV_CHUNK:
@@ -236,7 +236,7 @@ def _priced(call: AttnCall, env: Envelope, repack: tuple[str, ...], layout: str,
     # Repacked slices live one launch at a time (group x chunk for q, group (x key chunk)
     # for k/v); a split plan writes each block's result into one preallocated output,
     # which takes the place of the kernel's output in a direct call.
-    sub = _sub_call(call, g, qc, repack, layout, kc)
+    sub = sub_call(call, g, qc, repack, layout, kc)
     extra = sum(_nbytes(getattr(sub, n), elt) for n in repack)
     if split:
         extra += _nbytes(sub.q, elt)

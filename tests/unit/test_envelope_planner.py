@@ -125,8 +125,8 @@ def test_repack_fixes_strided_overflow(S):
     assert p.extra_bytes == 2 * 56 * S * 128 * 2
     assert p.reasons and f"{S:,}" in p.reasons[0]
     # every launch of the plan is inside the envelope
-    from safe_ops.attention.planner import _sub_call
-    assert not check(_sub_call(call, 56, S, p.repack, p.layout), SAGE1_TRITON)
+    from safe_ops.attention.planner import sub_call
+    assert not check(sub_call(call, 56, S, p.repack, p.layout), SAGE1_TRITON)
 
 
 def test_head_groups_past_contiguous_head_limit():
@@ -181,7 +181,7 @@ def test_sm120_length_rule_gets_key_chunks_not_sdpa():
     splits the keys into equal 128-multiples below the rule, merged by LSE -- not SDPA."""
     from safe_ops.families.sage2 import FP8_SM120_MAX_KV_LEN
     from safe_ops.families.sage2_sm120_fp8pv import SAGE2_SM120_FP8PV
-    from safe_ops.attention.planner import _sub_call
+    from safe_ops.attention.planner import sub_call
     for S in (150_000, 169_000, 230_000, 314_437):
         call = call_of(h3_view(S), layout="NHD")
         ch = choose(call, [SAGE2_SM120_FP8PV, SDPA])
@@ -189,7 +189,7 @@ def test_sm120_length_rule_gets_key_chunks_not_sdpa():
         assert ch.kv_chunk < FP8_SM120_MAX_KV_LEN and ch.kv_chunk % 128 == 0
         n = -(-S // ch.kv_chunk)
         assert (n - 1) * ch.kv_chunk < S and "k" in ch.repack          # centred key copies
-        assert not check(_sub_call(call, ch.head_group or 56, ch.q_chunk or S, ch.repack, ch.layout,
+        assert not check(sub_call(call, ch.head_group or 56, ch.q_chunk or S, ch.repack, ch.layout,
                                    ch.kv_chunk), SAGE2_SM120_FP8PV)
         assert "key tokens per launch merged by log-sum-exp" in str(ch)
 
