@@ -55,7 +55,7 @@ def _body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_re
     if att is not None:
         out = att(func, q, k, v, heads, **kwargs)
     else:
-        from .call_forms import comfy_function
+        from .comfy_functions import comfy_function
         out = comfy_function(func)(q, k, v, heads, **kwargs)
     out = out.contiguous()                    # the fake's strides
     if any(out.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for t in (q, k, v)):

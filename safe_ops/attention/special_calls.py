@@ -32,7 +32,8 @@ from ..facts import compiler
 from .. import contain
 from . import opaque_op
 from ..ui import run_stats
-from .call_forms import UnsupportedCall, comfy_function, normalise
+from .call_forms import UnsupportedCall, normalise
+from .comfy_functions import comfy_function
 from .errors import is_cuda_error
 
 log = logging.getLogger("SafeSage")
