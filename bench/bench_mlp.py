@@ -21,8 +21,8 @@ Per (mode, S, variant): peak allocated bytes (``torch.cuda.max_memory_allocated`
 time (CUDA events, warmup + median of N), and output equality against unpatched (max abs
 diff, bitwise flag). Writes JSON.
 
-    python bench/bench_mlp.py --out bench/results/mlp_h200.json
-    python bench/bench_mlp.py --smoke            # tiny sizes, runs on CPU
+    python -m bench.bench_mlp --out bench/results/mlp_h200.json
+    python -m bench.bench_mlp --smoke            # tiny sizes, runs on CPU
 """
 from __future__ import annotations
 
@@ -31,16 +31,14 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
+from bench.cmdline import command
 from safe_ops.models.h3 import mlp, mlp_plan, mlp_reference
 
 FP8 = torch.float8_e4m3fn
@@ -214,7 +212,7 @@ def main(argv=None):
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     result = {
         "bench": "h3_mlp_chunking",
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv) if argv is None
+        "command": command("bench_mlp") if argv is None
         else "bench_mlp.py " + " ".join(argv),
         "torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device), "gpu": gpu,
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

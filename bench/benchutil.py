@@ -85,3 +85,4 @@ def emulated_runtime(arch: str, rtm=None, real=None):
     real = real if real is not None else rtm.runtime()
     return dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
                                sage_error=None if real.sage_version else real.sage_error)
+

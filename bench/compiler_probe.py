@@ -27,7 +27,7 @@ streams, per-block CUDA graphs), the rest of the model (embeddings, token refine
 ComfyUI's sampler and wrappers, and an sm_120 GPU. The steps are the same input again, as a
 sampler's are the same shapes again.
 
-    python3 bench/compiler_probe.py --comfy /tmp/comfy/c0dd --out bench/results/compiler_h200.json \
+    python3 -m bench.compiler_probe --comfy /tmp/comfy/c0dd --out bench/results/compiler_h200.json \
         --arms plain-sdpa,safesage-sdpa,plain-sage,safesage-sage --tokens 169000 --blocks 2 --steps 3
 """
 from __future__ import annotations
@@ -41,6 +41,8 @@ import platform
 import subprocess
 import sys
 import time
+
+from bench.cmdline import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIDDEN, HEADS, HEAD_DIM, FFN, T_DIM = 5376, 56, 128, 14336, 2688
@@ -69,15 +71,18 @@ def parse(argv=None):
 
 # =========================================================================== driver
 def driver(a) -> None:
-    res = {"bench": "compiler_probe", "command": "python3 " + " ".join(sys.argv), "python": platform.python_version(),
+    res = {"bench": "compiler_probe", "command": command("compiler_probe"), "python": platform.python_version(),
            "tokens": a.tokens, "blocks": a.blocks, "steps": a.steps, "emulate_arch": a.emulate_arch,
            "compiler": not a.no_compiler, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "arms": {}}
     for arm in [x for x in a.arms.split(",") if x]:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", arm] + [x for x in sys.argv[1:]]
+        cmd = [sys.executable, "-m", "bench.compiler_probe", "--child", arm] + [x for x in sys.argv[1:]]
         t0 = time.time()
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            # the child imports ComfyUI's H3 blocks: its tree on PYTHONPATH (set here, the child's starter)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.abspath(a.comfy),
+                                                                           os.environ.get("PYTHONPATH")])))
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, cwd=ROOT, env=env)
             rc, out, err = r.returncode, r.stdout, r.stderr
         except subprocess.TimeoutExpired as e:
             rc, out, err = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or ""), \
@@ -181,7 +186,7 @@ class Compiler:
 
 def _emulate(arch: str):
     """sage 2.2.0 dispatches, and SafeSage plans, as on ``arch`` (bench/benchutil.py)."""
-    from benchutil import emulate_sage_arch, emulated_runtime
+    from bench.benchutil import emulate_sage_arch, emulated_runtime
     try:
         emulate_sage_arch(arch)
     except ImportError:            # no sageattention here (the PyTorch arms): nothing to dispatch
@@ -193,7 +198,8 @@ def child(a) -> None:
     arm = a.child
     torch, dev = _start_like_comfyui()
     import comfy_aimdo
-    sys.path[:0] = [os.path.abspath(a.comfy), ROOT, os.path.join(ROOT, "bench")]
+    from bench.synth_h3 import setup_comfy
+    setup_comfy(a.comfy)                 # on PYTHONPATH, from the driver
     import comfy.cli_args
     comfy.cli_args.args.use_sage_attention = arm.endswith("sage")
     import comfy.ldm.minimax.model as h3

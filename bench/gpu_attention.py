@@ -5,11 +5,11 @@ Everything compares in one process, on the same inputs: the guarded call
 copies), and PyTorch SDPA. The unguarded call on the real (strided) inputs runs
 in a child process, because an illegal memory access poisons the CUDA context.
 
-    python bench/gpu_attention.py stress --out bench/results/stress_h200.json
-    python bench/gpu_attention.py bench  --out bench/results/attention_h200.json
-    python bench/gpu_attention.py probe  --out bench/results/probe_h200.json
-    python bench/gpu_attention.py host   --out bench/results/host_overhead_h200.json
-    python bench/gpu_attention.py stress --family sage2_fp8pv_perwarp --out ...   (sage 2.2.0)
+    python -m bench.gpu_attention stress --out bench/results/stress_h200.json
+    python -m bench.gpu_attention bench  --out bench/results/attention_h200.json
+    python -m bench.gpu_attention probe  --out bench/results/probe_h200.json
+    python -m bench.gpu_attention host   --out bench/results/host_overhead_h200.json
+    python -m bench.gpu_attention stress --family sage2_fp8pv_perwarp --out ...   (sage 2.2.0)
 
 ``--family`` picks the sage kernel family (default: the one ``sageattn`` dispatches to on
 this GPU, ``safe_ops.facts.devices``). With sage 2.2.0 on an H200, ``sage2_fp8pv_perwarp`` is the
@@ -19,7 +19,7 @@ an RTX 5090, minus the #388 length rule) and ``sage2_sm90`` the native sm_90 pat
 
 Needs a CUDA GPU and sageattention. Writes JSON with the command line, versions
 and GPU name; docs/BENCHMARKS.md is generated from these files by
-``python bench/tables.py``.
+``python -m bench.tables``.
 """
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-import torch  # noqa: E402
+import torch
+
+from bench import attention_sections
+from bench.cmdline import command
 
 HEADS, D = 56, 128
 FAMILY = os.environ.get("SAFESAGE_BENCH_FAMILY") or None   # set by --family (children inherit it)
@@ -42,7 +44,7 @@ FAMILY = os.environ.get("SAFESAGE_BENCH_FAMILY") or None   # set by --family (ch
 
 def env_info() -> dict:
     import importlib.metadata as md
-    info = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    info = {"command": command("gpu_attention"),
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "family": FAMILY or (bench_runtime().sage_family if torch.cuda.is_available() else None),
@@ -161,8 +163,8 @@ def run_child(S: int, layout: str, timeout: int = 300) -> dict:
     if os.path.exists(tmp):
         os.remove(tmp)
     t0 = time.time()
-    p = subprocess.run([sys.executable, __file__, "child", "--S", str(S), "--layout", layout, "--child-out", tmp],
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, "-m", "bench.gpu_attention", "child", "--S", str(S), "--layout", layout, "--child-out", tmp],
+                       capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     res = {"S": S, "layout": layout, "returncode": p.returncode, "seconds": round(time.time() - t0, 1)}
     if p.returncode < 0:
         res["signal"] = -p.returncode
@@ -330,111 +332,8 @@ def bench(args) -> dict:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del q, k, v, qc, kc, vc
-    host = host_overhead(args.host_S)
+    host = attention_sections.host_overhead(sys.modules[__name__], args.host_S)
     return {"env": env_info(), "rows": rows, "host_overhead": host}
-
-
-def host_overhead(S: int, n: int = 400) -> dict:
-    """Host microseconds per call, launches only (no sync per call).
-
-    ``S`` is small so the GPU keeps up and the host is the bottleneck. Two
-    numbers: the whole guarded call vs raw sageattn vs SDPA, and the guard's
-    own Python work alone (the same override around a kernel that returns a
-    preallocated tensor, minus calling that kernel directly).
-    """
-    from safe_ops.ui import run_stats
-    from safe_ops.families.family import Kernel
-    from safe_ops.attention.override import SafeAttention
-    from safe_ops.families.sage1 import SAGE1_TRITON
-    from safe_ops.policy import Policy
-    q, k, v = h3_qkv(S, "strided")
-    run_stats.reset()
-    att = guarded()
-    pre = torch.empty_like(q, memory_format=torch.contiguous_format)
-    null_fn = lambda q_, k_, v_, layout, scale: pre  # noqa: E731
-    null = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(SAGE1_TRITON, null_fn)])
-    fns = {"guarded": lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True),
-           "raw_sage": lambda: raw_sage(q, k, v),
-           "sdpa": lambda: sdpa(q, k, v),
-           "guard_null_kernel": lambda: null(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True),
-           "null_kernel": lambda: null_fn(q, k, v, "HND", None)}
-    res = {"S": S, "calls": n}
-    for name, fn in fns.items():
-        best = float("inf")
-        for _ in range(3):
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            t1 = time.perf_counter()
-            torch.cuda.synchronize()
-            best = min(best, (t1 - t0) / n * 1e6)
-        res[f"{name}_host_us"] = best
-    res["guard_overhead_us"] = res["guard_null_kernel_host_us"] - res["null_kernel_host_us"]
-    res["guarded_minus_raw_us"] = res["guarded_host_us"] - res["raw_sage_host_us"]
-    return res
-
-
-# -------------------------------------------------------------------------- probe
-def probe(args) -> dict:
-    from safe_ops.ui import run_stats
-    from safe_ops.families.family import Kernel
-    from safe_ops.attention.override import SafeAttention
-    from safe_ops.policy import Policy
-    out = {"env": env_info(), "sizes": []}
-    rt = bench_runtime()
-    real = sage_kern()
-    for S in [int(s) for s in args.sizes.split(",")]:
-        torch.cuda.empty_cache()
-        q, k, v = h3_qkv(S, "strided")
-        row = {"S": S}
-        # real sage: probe verdict and overhead of the first (probed) call vs the second
-        run_stats.reset()
-        att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[real], rt=rt)
-        call = lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
-        att_np = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[real], rt=rt)
-        call_np = lambda: att_np(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
-        call_np()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()                    # first call: runs the kernel + probe
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        call_np()                 # same call without probe
-        torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        from safe_ops.attention.verification import compare
-        o = call_np()
-        torch.cuda.synchronize()
-        t3 = time.perf_counter()
-        compare(o, q, k, v, None, real.tolerance)
-        torch.cuda.synchronize()
-        t4 = time.perf_counter()
-        del o
-        row.update(real_verdicts=att.verifier.verdicts(), first_call_s=t1 - t0, plain_call_s=t2 - t1,
-                   probe_only_s=t4 - t3, probe_only_pct=100 * (t4 - t3) / (t2 - t1),
-                   probe_overhead_pct=100 * ((t1 - t0) - (t2 - t1)) / (t2 - t1),
-                   probe_failures=int(run_stats.STATS["probe_failures"]))
-        # a deliberately broken kernel: corrupts rows past 60% of the sequence
-        def broken(q_, k_, v_, layout, scale, _fn=real.fn):
-            o = _fn(q_, k_, v_, layout, scale)
-            s_ax = 2 if layout == "HND" else 1
-            o.narrow(s_ax, int(o.shape[s_ax] * 0.6), o.shape[s_ax] - int(o.shape[s_ax] * 0.6)).mul_(-3.0)
-            return o
-        run_stats.reset()
-        bad = Kernel(real.envelope, broken, real.tolerance)
-        att_b = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[bad], rt=rt)
-        ob = att_b(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
-        ref = sdpa(q, k, v)
-        row.update(broken_caught=int(run_stats.STATS["probe_failures"]) == 1,
-                   broken_output_rel_err_vs_sdpa=rel_l2(ob, ref),
-                   broken_verdicts=att_b.verifier.verdicts())
-        out["sizes"].append(row)
-        print(json.dumps(row), flush=True)
-        del q, k, v, ob, ref
-    return out
 
 
 def main() -> None:
@@ -462,9 +361,10 @@ def main() -> None:
         child(args.S, args.layout, args.child_out)
         return
     if args.mode == "host":
-        res = {"env": env_info(), "host_overhead": host_overhead(args.host_S)}
+        res = {"env": env_info(), "host_overhead": attention_sections.host_overhead(sys.modules[__name__], args.host_S)}
     else:
-        res = {"stress": stress, "bench": bench, "probe": probe}[args.mode](args)
+        res = {"stress": stress, "bench": bench,
+               "probe": lambda a: attention_sections.probe(sys.modules[__name__], a)}[args.mode](args)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -17,9 +17,9 @@ For each arm: ``torch._dynamo.explain`` (graph count, graph breaks, the reasons,
 ops), ``breaks_per_call`` (breaks / attention calls per forward), the compiled output's
 relative L2 against the same arm eager, and (on CUDA) median eager/compiled ms.
 
-    python bench/gpu_compile.py --tag sage106 --family sage1_triton
-    python bench/gpu_compile.py --tag sage22_sm120 --family sage2_fp8pv_perwarp
-    python bench/gpu_compile.py --device cpu --tag cpu --tokens 256 --heads 4 --dim 32
+    python3 -m bench.gpu_compile --tag sage106 --family sage1_triton
+    python3 -m bench.gpu_compile --tag sage22_sm120 --family sage2_fp8pv_perwarp
+    python3 -m bench.gpu_compile --device cpu --tag cpu --tokens 256 --heads 4 --dim 32
 
 Writes bench/results/torch_compile_<tag>.json (``--out`` to override) with the command line.
 ComfyUI's attention comes from --comfy, else $SS_COMFY or $COMFYUI_PATH (a stand-in with its
@@ -32,23 +32,21 @@ import dataclasses
 import json
 import os
 import platform
-import sys
 import time
 import traceback
 
+import torch
+
+from bench.benchutil import time_ms
+from bench.cmdline import command
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-import torch  # noqa: E402
-
-from benchutil import time_ms  # noqa: E402
 
 
 def comfy_attention(path: str | None, cpu: bool):
-    """(ComfyUI's wrap_attn-wrapped attention_pytorch, where it came from)."""
+    """(ComfyUI's wrap_attn-wrapped attention_pytorch, where it came from). ComfyUI is imported
+    from PYTHONPATH, which whoever starts the bench sets (``PYTHONPATH=$SS_COMFY``)."""
     if path and os.path.isfile(os.path.join(path, "comfy", "ldm", "modules", "attention.py")):
-        sys.path.insert(0, path)
         try:
             import comfy.cli_args
             if cpu:
@@ -56,12 +54,11 @@ def comfy_attention(path: str | None, cpu: bool):
             import comfy.ldm.modules.attention as att
             return att.attention_pytorch, f"ComfyUI {path}"
         except Exception as e:  # noqa: BLE001
-            why = f"ComfyUI at {path} does not import: {e!r}"
+            why = f"ComfyUI at {path} does not import (is it on PYTHONPATH?): {e!r}"
     else:
         why = "no ComfyUI tree given"
     os.environ.pop("COMFYUI_PATH", None)
-    sys.path.insert(0, os.path.join(ROOT, "tests", "unit"))
-    import comfy_attention_fn
+    from harness import comfy_attention_fn
     return comfy_attention_fn.attention_pytorch, f"stand-in ({why})"
 
 
@@ -113,7 +110,7 @@ def guarded_att(family: str, device: str):
         env = dataclasses.replace(SAGE1_TRITON, family="fake_cpu", devices=("cpu",), head_dims=(16, 32, 64, 128))
         return SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(env, SDPA_KERNEL.fn, 0.05)],
                              rt=runtime())
-    import gpu_attention as ga
+    from bench import gpu_attention as ga
     ga.FAMILY = os.environ["SAFESAGE_BENCH_FAMILY"] = family
     return SafeAttention(Policy(kernel="sage", verify="first"), kernels=[ga.sage_kern()], rt=ga.bench_runtime())
 
@@ -207,7 +204,7 @@ def main() -> None:
             versions[pkg] = md.version(pkg)
         except md.PackageNotFoundError:
             versions[pkg] = None
-    result = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "tag": args.tag,
+    result = {"command": command("gpu_compile"), "tag": args.tag,
               "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, **versions,
               "comfy_attention": source, "shape": {"tokens": args.tokens, "heads": args.heads, "dim": args.dim,

@@ -1,9 +1,9 @@
 """H200 runs for issue 11: every sage-2 family and comfy-kitchen at H3 shapes, kv_chunks through
 SafeAttention, the comfy-kitchen boundary probe and the 99,866-token guarded/in-limit ratio.
 
-    python bench/gpu_kvchunks.py --out bench/results/kvchunks_h200.json          # ~5-6 min on an H200
-    python bench/gpu_kvchunks.py --quick --out /tmp/kvchunks_quick.json          # ~2-3 min
-    python bench/gpu_kvchunks.py --update-table bench/results/kvchunks_h200.json  # -> kernel_table.json
+    python -m bench.gpu_kvchunks --out bench/results/kvchunks_h200.json          # ~5-6 min on an H200
+    python -m bench.gpu_kvchunks --quick --out /tmp/kvchunks_quick.json          # ~2-3 min
+    python -m bench.gpu_kvchunks --update-table bench/results/kvchunks_h200.json  # -> kernel_table.json
 
 Sections (``--only a,b``): ``families`` (time + rel. L2 of each sage-2 family, comfy-kitchen
 int8 and SDPA; TFLOP/s rows for kernel_table.json), ``kvchunks`` (the kv_chunks plan with the
@@ -25,101 +25,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import torch  # noqa: E402
+import torch
 
-from benchutil import profile_table, time_ms  # noqa: E402,F401  (time_ms: used by the sections)
-
-HEADS, D = 56, 128
-ROWS = 1024
-SAGE2_FAMILIES = ("sage2_sm80", "sage2_sm86_triton", "sage2_sm89_fp8pv", "sage2_fp8pv_perwarp", "sage2_sm90")
-SM120_KV_RULE = 150_000     # envelope_sage2.FP8_SM120_MAX_KV_LEN: the rule kv_chunks exists for
-
-
-def env_info() -> dict:
-    import importlib.metadata as md
-    info = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "arch": ("sm_%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    for pkg in ("sageattention", "comfy-kitchen", "triton"):
-        try:
-            info[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            info[pkg] = None
-    try:
-        import sageattention
-        info["sageattention_file"] = sageattention.__file__
-    except Exception as e:  # noqa: BLE001
-        info["sageattention_import_error"] = f"{type(e).__name__}: {e}"
-    return info
-
-
-def h3_buffer(S: int, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(S, 3 * HEADS * D, device="cuda", dtype=torch.bfloat16, generator=g)
-
-
-def h3_views(buf: torch.Tensor, S: int | None = None):
-    S = S or buf.shape[0]
-    return [t.view(S, HEADS, D).transpose(0, 1).unsqueeze(0) for t in buf[:S].split(HEADS * D, -1)]
-
-
-def row_index(S: int) -> torch.Tensor:
-    n = min(ROWS, S // 2)
-    return torch.cat([torch.arange(0, n), torch.arange(S - n, S)]).cuda()
-
-
-def sdpa_rows(q, k, v, idx) -> torch.Tensor:
-    return torch.nn.functional.scaled_dot_product_attention(q[:, :, idx], k, v)
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def _noop(*a, **k):
-    raise AssertionError("unreachable: the override handles every call here")
-
-
-def flops(S: int) -> float:
-    return 4.0 * S * S * HEADS * D
-
-
-def kernels() -> dict:
-    """Every family that can run here: name -> safe_ops Kernel (errors recorded by the caller)."""
-    from safe_ops.families.registry import kernel_of
-    out = {}
-    for fam in SAGE2_FAMILIES:
-        k = kernel_of(fam)
-        if k is not None:
-            out[fam] = k
-    try:
-        from safe_ops.families.registry import ck_kernel
-        ck = ck_kernel()
-        if ck is not None:
-            out[ck.family] = ck
-    except Exception:  # noqa: BLE001  (older checkout without the ck family)
-        pass
-    return out
-
-
-def guarded(kern, policy=None):
-    from safe_ops.attention.override import SafeAttention
-    from safe_ops.policy import Policy
-    from safe_ops.facts.devices import runtime
-    return SafeAttention(policy or Policy(kernel="sage", verify="off"), kernels=[kern], rt=runtime())
+from bench.benchutil import profile_table, time_ms  # noqa: F401  (time_ms: used by the sections)
+from bench.kvchunks_ck_probe import sec_ck_probe
+from bench.kvchunks_common import (D, HEADS, SM120_KV_RULE, emit, env_info, first_call, flops, guarded, h3_buffer,
+                                   h3_views, kernels, noop, record_error, rel_l2, row_index, sdpa_rows, with_kv_rule)
 
 
 # ---------------------------------------------------------------------- families
@@ -167,7 +85,7 @@ def sec_families(args) -> dict:
             try:
                 run_stats.reset()
                 att = guarded(kern)
-                g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+                g = lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
                 o = g()
                 torch.cuda.synchronize()
                 r["plan"] = next(iter(run_stats.PLANS.values()), "")
@@ -199,39 +117,6 @@ def sec_families(args) -> dict:
             "excluded_from_table": sorted(bad), "sizes": args.sizes}
 
 
-# ---------------------------------------------------------------------- kvchunks
-def with_kv_rule(kern, limit: int):
-    """``kern`` with sm_120's key-length rule added (what makes the planner chunk keys)."""
-    import dataclasses
-
-    from safe_ops.families.family import Kernel
-    from safe_ops.families.rules import KvLenRule
-    env = kern.envelope
-    env = dataclasses.replace(env, family=env.family,
-                              extra_rules=env.extra_rules + (KvLenRule(env.family, limit, "issue 11 bench",
-                                                                       "sm_120 rule applied on the H200"),))
-    return Kernel(env, kern.fn, kern.tolerance, kern.fn_lse)
-
-
-def record_error(r: dict, e: BaseException) -> None:
-    r["error"] = f"{type(e).__name__}: {e}"
-    r["traceback"] = traceback.format_exc()[-1500:]
-
-
-def emit(r: dict) -> None:
-    print(json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "traceback"})[:600], flush=True)
-
-
-def first_call(att, fn):
-    """(output, extra peak bytes, plan) of the first call of ``fn`` through ``att``."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    o = fn()
-    torch.cuda.synchronize()
-    return o, torch.cuda.max_memory_allocated() - base, next(iter(att._prepared.values())).plan
-
-
 def sec_kvchunks(args) -> dict:
     """kv_chunks through SafeAttention with the real sage 2.2 kernel: the family's envelope plus
     sm_120's key-length rule (kv_len < 150,000) makes the planner chunk the keys, exactly as on an
@@ -255,8 +140,8 @@ def sec_kvchunks(args) -> dict:
                 ref = sdpa_rows(q, k, v, idx)
                 run_stats.reset()
                 a_kv, a_ref = guarded(chunked), guarded(kern)
-                f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
-                f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+                f_kv = lambda: a_kv(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+                f_ref = lambda: a_ref(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
                 # first call of each: plan, warm-up, output for rel. L2 and measured peak memory
                 o, r["peak_extra_kv"], p_kv = first_call(a_kv, f_kv)
                 r.update(plan_kv=p_kv.describe(False), kv_chunk=p_kv.kv_chunk, kind=p_kv.kind,
@@ -308,8 +193,8 @@ def sec_anatomy(args) -> dict:
     q, k, v = h3_views(buf)
     run_stats.reset()
     a_kv, a_ref = guarded(with_kv_rule(kern, SM120_KV_RULE)), guarded(kern)
-    f_kv = lambda: a_kv(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
-    f_ref = lambda: a_ref(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+    f_kv = lambda: a_kv(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+    f_ref = lambda: a_ref(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
     o, _, plan = first_call(a_kv, f_kv)
     del o
     kc = plan.kv_chunk or S
@@ -374,83 +259,6 @@ def sec_anatomy(args) -> dict:
     return res
 
 
-# ---------------------------------------------------------------------- ck probe
-def sec_ck_probe(args) -> dict:
-    """Where comfy-kitchen's int8_attention refuses (an exception) or goes wrong, per layout.
-
-    Key side: 256 query rows against S keys (cheap); query side: S query rows against 256 keys.
-    Layouts of the long tensor: H3's strided view, contiguous HND, contiguous NHD seen as HND.
-    Bisects the first S that raises; checks rel. L2 vs SDPA at the last passing S and at a few
-    fixed sizes."""
-    import comfy_kitchen as ck
-    res = {"version": getattr(ck, "__version__", None), "probes": []}
-    smax = args.ck_max
-    flat = torch.empty(HEADS * smax * D, device="cuda", dtype=torch.bfloat16).normal_()
-    h3 = h3_buffer(smax, seed=1)
-    short = torch.randn(1, HEADS, 256, D, device="cuda", dtype=torch.bfloat16)
-
-    def long_tensor(layout: str, S: int, which: int = 0):
-        if layout == "strided":
-            return h3_views(h3, S)[which]
-        if layout == "hnd":
-            return torch.as_strided(flat, (1, HEADS, S, D), (HEADS * S * D, S * D, D, 1))
-        return torch.as_strided(flat, (1, HEADS, S, D), (S * HEADS * D, D, HEADS * D, 1))
-
-    def attempt(side: str, layout: str, S: int) -> tuple[bool, str, float | None]:
-        L = long_tensor(layout, S)
-        if side == "kv":
-            q, k, v = short, L, (long_tensor(layout, S, 2) if layout == "strided" else L)
-        else:
-            q, k, v = L, short, short
-        try:
-            o = ck.int8_attention(q, k, v)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            return False, f"{type(e).__name__}: {e}", None
-        if side == "kv":
-            ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-            err = rel_l2(o, ref)
-        else:
-            idx = row_index(S)
-            ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, idx], k, v)
-            err = rel_l2(o[:, :, idx], ref)
-        return True, "", err
-
-    for side in ("kv", "q"):
-        for layout in ("strided", "hnd", "nhd"):
-            p = {"side": side, "layout": layout}
-            try:
-                lo, hi = 1024, smax
-                ok_hi, msg_hi, err_hi = attempt(side, layout, hi)
-                if ok_hi:
-                    p.update(first_failing=None, passes_up_to=hi, rel_l2_at_max=err_hi)
-                else:
-                    ok_lo, msg_lo, _ = attempt(side, layout, lo)
-                    if not ok_lo:
-                        p.update(first_failing=f"<= {lo}", error=msg_lo)
-                    else:
-                        while hi - lo > 1:
-                            mid = (lo + hi) // 2
-                            if attempt(side, layout, mid)[0]:
-                                lo = mid
-                            else:
-                                hi = mid
-                        ok, _, err_lo = attempt(side, layout, lo)
-                        p.update(first_failing=hi, last_passing=lo, error=attempt(side, layout, hi)[1],
-                                 rel_l2_at_last_passing=err_lo)
-                p["rel_l2_at"] = {}
-                for S in (38_000, 99_865, 99_866, 169_000, 299_520, 299_521):
-                    if S <= smax:
-                        ok, msg, err = attempt(side, layout, S)
-                        p["rel_l2_at"][S] = err if ok else msg
-            except Exception as e:  # noqa: BLE001
-                p["error"] = f"{type(e).__name__}: {e}"
-                p["traceback"] = traceback.format_exc()[-1500:]
-            res["probes"].append(p)
-            print(json.dumps({k_: v_ for k_, v_ in p.items() if k_ != "traceback"})[:600], flush=True)
-    return res
-
-
 # ---------------------------------------------------------------------- guard
 def sec_guard(args) -> dict:
     """Guarded call (SafeAttention, the runtime's sage kernel, the planner's plan) vs the same
@@ -476,7 +284,7 @@ def sec_guard(args) -> dict:
             q, k, v = h3_views(buf)
             run_stats.reset()
             att = guarded(kern)
-            g = lambda: att(_noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
+            g = lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
             g()
             prepared = next(iter(att._prepared.values()), None)
             if prepared is None:     # the kernel raised or failed its probe: the call fell back to SDPA
@@ -530,8 +338,8 @@ def run_section(name: str, argv: list[str], timeout: int) -> dict:
         os.remove(tmp)
     t0 = time.time()
     try:
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, "--child-out", tmp] + argv,
-                           capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run([sys.executable, "-m", "bench.gpu_kvchunks", "--child", name, "--child-out", tmp] + argv,
+                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         rc, err, outp = p.returncode, p.stderr, p.stdout
     except subprocess.TimeoutExpired as e:
         rc, err, outp = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""), ""

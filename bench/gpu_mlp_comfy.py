@@ -27,7 +27,7 @@ setup of a call then overlaps, as inside a model), extra peak memory over the ca
 (bitwise flag and max abs diff). ``--profile`` adds per-kernel CUDA time of one call of each
 variant at the largest S (torch.profiler).
 
-    python bench/gpu_mlp_comfy.py --comfy $COMFYUI_PATH --out bench/results/mlp_comfy_h200.json
+    PYTHONPATH=$COMFYUI_PATH python -m bench.gpu_mlp_comfy --comfy $COMFYUI_PATH --out bench/results/mlp_comfy_h200.json
 """
 from __future__ import annotations
 
@@ -39,13 +39,11 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-import torch  # noqa: E402
+import torch
 
-from benchutil import profile_table, time_ms  # noqa: E402
+from bench.cmdline import command
+from bench.benchutil import profile_table, time_ms
 
 HIDDEN, FFN = 5376, 14336
 DEV = "cuda"
@@ -145,7 +143,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims (hidden 64, ffn 96): checks the script only")
     a = ap.parse_args()
     global DEV, HIDDEN, FFN
-    from synth_h3 import setup_comfy
+    from bench.synth_h3 import setup_comfy
     setup_comfy(a.comfy)
     if a.smoke:
         DEV, HIDDEN, FFN = "cpu", 64, 96
@@ -160,7 +158,7 @@ def main():
     if not cast_memo.install():
         sys.exit("gpu_mlp_comfy: this ComfyUI has no comfy.ops.cast_bias_weight/uncast_bias_weight")
     import importlib.metadata as md
-    res = {"bench": "h3_mlp_comfy_ops", "command": "python3 " + " ".join(sys.argv),
+    res = {"bench": "h3_mlp_comfy_ops", "command": command("gpu_mlp_comfy"),
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", "dims": [HIDDEN, FFN], "comfyui": a.comfy,
            "comfy_kitchen": next((md.version(p) for p in ("comfy-kitchen", "comfy_kitchen")

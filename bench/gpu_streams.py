@@ -1,9 +1,9 @@
 """GPU negative controls of the legacy-stream hop (HAZARDS.md H-3), and the stream each kernel
 family really launches on.
 
-    python bench/gpu_streams.py negative --family sage2_fp8pv_perwarp --out bench/results/streams_negative_controls_h200.json
-    python bench/gpu_streams.py kernels --out bench/results/kernel_streams_sage22_h200.json
-    python bench/gpu_streams.py negative --dry-run --out /tmp/x.json        (CPU: the arms and patches only)
+    python3 -m bench.gpu_streams negative --family sage2_fp8pv_perwarp --out bench/results/streams_negative_controls_h200.json
+    python3 -m bench.gpu_streams kernels --out bench/results/kernel_streams_sage22_h200.json
+    python3 -m bench.gpu_streams negative --dry-run --out /tmp/x.json        (CPU: the arms and patches only)
 
 ``negative``: a guarded call of a sage 2.x CUDA family (it launches on the legacy default stream)
 made from a side stream while the legacy stream is delayed (``torch.cuda._sleep``). Right after the
@@ -34,12 +34,11 @@ import sys
 import tempfile
 import time
 
+import torch
+
+from safe_ops.attention import executor, streams
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import torch  # noqa: E402
-
-from safe_ops.attention import executor, streams  # noqa: E402
 
 ARMS = ("pack", "no_record_stream", "never_hop", "no_hop_exit")
 CYCLES_PER_MS = 2_000_000        # torch.cuda._sleep cycles per millisecond, about (a ~2 GHz SM clock)
@@ -81,7 +80,7 @@ def arm(name: str):
 
 def env_info() -> dict:
     import importlib.metadata as md
-    info = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    info = {"command": " ".join(["python3", "-m", "bench.gpu_streams"] + sys.argv[1:]),
             "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "arch": ("sm_%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
@@ -305,7 +304,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     args.shape = args.shape or ("1,24,8192,128" if args.section == "negative" else "1,8,2048,128")
     res = negative(args) if args.section == "negative" else kernels(args)
-    res["env"]["command"] = " ".join([os.path.basename(sys.executable), "bench/gpu_streams.py"]
+    res["env"]["command"] = " ".join(["python3", "-m", "bench.gpu_streams"]
                                      + list(sys.argv[1:] if argv is None else argv))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,19 +1,17 @@
 """One guarded mid-size call for compute-sanitizer (H200):
 
-    compute-sanitizer --tool memcheck python3 bench/sanitizer_call.py --S 99866
+    compute-sanitizer --tool memcheck python3 -m bench.sanitizer_call --S 99866
 
 Runs SafeSage's guarded sageattention on MiniMax H3 strided views just past the
 int32 boundary (a repack plan), synchronises, and prints the plan and error vs SDPA.
 """
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_attention as ga  # noqa: E402
-import torch  # noqa: E402
+import torch
 
-from safe_ops.ui import run_stats  # noqa: E402
+from bench import gpu_attention as ga
+
+from safe_ops.ui import run_stats
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--S", type=int, default=99_866)

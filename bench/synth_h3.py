@@ -24,7 +24,7 @@ changes the output. Deterministic from `--seed`: each tensor has its own generat
 (seed, crc32(name)); numbers differ between a CPU and a CUDA generator, so the device used is
 printed (`--device`, default cuda when available).
 
-    COMFYUI_PATH=/path/to/ComfyUI python bench/synth_h3.py OUT.safetensors --blocks 2 --seed 0
+    PYTHONPATH=/path/to/ComfyUI python -m bench.synth_h3 OUT.safetensors --blocks 2 --seed 0
 
 Prints one JSON line describing what was written. Never commit the output.
 """
@@ -47,12 +47,19 @@ QUANT_SUFFIXES = (".attn.qkv_proj", ".attn.out_proj", ".mlp.fc1", ".mlp.fc2")
 
 
 def setup_comfy(root: str | None):
+    """The ComfyUI tree this process imports: it comes from ``PYTHONPATH`` (set by whoever starts the
+    bench, e.g. ``PYTHONPATH=$COMFYUI_PATH python -m bench.synth_h3 ...``); exits saying so when ComfyUI is
+    not importable or is another tree than ``root`` (--comfy / COMFYUI_PATH) names."""
+    import importlib.util
     root = root or os.environ.get("COMFYUI_PATH")
-    if not root or not os.path.isfile(os.path.join(root, "comfy", "model_management.py")):
-        sys.exit("synth_h3: --comfy / COMFYUI_PATH must point at a ComfyUI tree with MiniMax H3 (0dd9b154)")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return root
+    spec = importlib.util.find_spec("comfy")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("synth_h3: ComfyUI is not importable: put a ComfyUI tree with MiniMax H3 (0dd9b154) on "
+                 "PYTHONPATH, e.g. PYTHONPATH=$COMFYUI_PATH python -m bench.<script> ...")
+    found = os.path.dirname(list(spec.submodule_search_locations)[0])
+    if root and os.path.realpath(found) != os.path.realpath(root):
+        sys.exit(f"synth_h3: --comfy / COMFYUI_PATH names {root}, but PYTHONPATH imports ComfyUI from {found}")
+    return found
 
 
 def shapes(blocks: int, adaln: str, curve_k: int, curve_grid: int, dims: dict | None = None):

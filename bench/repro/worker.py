@@ -1,11 +1,12 @@
 """One row (size x arm): a fresh ComfyUI server -- its own main.py start-up with the arm's flags and
 environment -- that runs the row's graph (workflow.py) queued over HTTP, and what it left.
 
-The server is started by tests/comfy/comfy_process.py (the launcher the headless tests use) in a
+The server is started by harness/comfy_process.py (the launcher the headless tests use) in a
 temporary --base-directory holding the checkpoint (a link in models/diffusion_models), the probe pack
 (bench/repro/probe_pack) and, for the SafeSage arms only, this repository as ComfyUI-SafeSage. Its
 PYTHONPATH is passed on (the GPU box's wheels live there), with bench/repro/av_stub in front when its
-Python has no PyAV (recorded as ``av_stub``), and it runs in a process group of its own.
+Python has no PyAV (recorded as ``av_stub``) and this repository last (the probe pack imports
+``bench.benchutil`` and ``bench.repro.memory`` from it), and it runs in a process group of its own.
 
 Where each finding comes from:
   outcome     /history (success, or ComfyUI's execution_error: exception type and message) or the
@@ -17,7 +18,6 @@ Where each finding comes from:
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from harness import comfy_process as _launcher
 
 from . import arms, logs, memory, workflow
 
@@ -36,14 +38,8 @@ PROBE_DIR_NAME = "safesage_repro_probe"
 
 
 def comfy_process():
-    """tests/comfy/comfy_process.py, imported by path (under the name the tests import it by)."""
-    mod = sys.modules.get("comfy_process")
-    if mod is None:
-        spec = importlib.util.spec_from_file_location("comfy_process", REPO / "tests" / "comfy" / "comfy_process.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["comfy_process"] = mod
-        spec.loader.exec_module(mod)
-    return mod
+    """The launcher the headless tests use (harness/comfy_process.py)."""
+    return _launcher
 
 
 def _imports(python: str, module: str) -> bool:
@@ -83,8 +79,8 @@ def make_server(*, comfy, ckpt, arm, tag, work, cpu=False, debug=False, emulate_
         env["SAFESAGE_REPRO_EMULATE_ARCH"] = emulate_arch
     python = python or sys.executable
     av_stub = not _imports(python, "av")   # the GPU box: ComfyUI's node API imports av at start-up
-    if av_stub:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "av_stub"), os.environ.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "av_stub") if av_stub else None,
+                                                      os.environ.get("PYTHONPATH"), str(REPO)]))
     nodes = {PROBE_DIR_NAME: HERE / "probe_pack"}
     if arms.ARMS[arm]["safesage"] is not None:
         nodes[PACK_DIR_NAME] = REPO

@@ -1,5 +1,5 @@
 """Fixtures for tests/browser/: a headless ComfyUI (--cpu) of its own, with its frontend, driven in
-headless chromium. Reuses tests/comfy's server helpers (comfy_server.py, comfy_graphs.py).
+headless chromium. Reuses the harness's server helpers (harness/comfy_server.py, comfy_graphs.py).
 
 Every test here is skipped, with the reason printed (-rs), without a ComfyUI tree
 (COMFYUI_PATH), or without chromium / playwright / comfyui-frontend-package
@@ -9,16 +9,14 @@ tests/comfy guard in .ci/check_junit.py on purpose: the browser is optional in C
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "comfy")]
 
 from browser import browser_problem  # noqa: E402
-from comfy_server import comfy_path_problem, running_pack_server, server_python  # noqa: E402
+from harness.comfy_server import comfy_path_problem, running_pack_server, server_python  # noqa: E402
 
 
 def pytest_configure(config):

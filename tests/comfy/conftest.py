@@ -1,6 +1,6 @@
 """Fixtures for tests/comfy/: one real headless ComfyUI server per pytest session.
 
-See comfy_server.py for how it is started. Without a usable COMFYUI_PATH (and outside
+See harness/comfy_server.py for how it is started. Without a usable COMFYUI_PATH (and outside
 `bash .ci/run`, which sets one up) every test here is skipped with the reason printed (-rs).
 """
 
@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from comfy_server import (HERE, PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer,
+from harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
                           comfy_path_problem, has_minimax_h3)
+
+HERE = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,7 +34,7 @@ def comfy(tmp_path_factory):
     if problem:
         pytest.skip(problem)
     base = tmp_path_factory.mktemp("comfy_base")
-    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE / "test_nodes"})
+    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES})
     try:
         server.start()
         yield server

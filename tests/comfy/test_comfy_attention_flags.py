@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from comfy_graphs import saved_latents, sd2_graph, stats_delta
-from comfy_server import running_pack_server
+from harness.comfy_graphs import saved_latents, sd2_graph, stats_delta
+from harness.comfy_server import running_pack_server
 
 FLAGS = {
     "default": (),

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from comfy_graphs import sd2_graph
-from comfy_server import HERE, PACK_DIR_NAME, REPO, TEST_NODES_DIR_NAME, ComfyServer, execution_error
+from harness.comfy_graphs import sd2_graph
+from harness.comfy_server import PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer, execution_error
 
 CAUSE = "simulated broken SafeSage install (tests/comfy)"
 # what a user's install has; everything else in the repository is development-only
@@ -33,7 +33,7 @@ def broken_server(comfy, tiny_sd2, tmp_path_factory):
             shutil.copy2(src, pack / src.name)
     # a half-updated install: one safe_ops module raises at import
     (pack / "safe_ops" / "patch.py").write_text("raise ImportError(%r)\n" % CAUSE)
-    server = ComfyServer(base, {TEST_NODES_DIR_NAME: HERE / "test_nodes"}, name="broken")
+    server = ComfyServer(base, {TEST_NODES_DIR_NAME: TEST_NODES}, name="broken")
     os.link(tiny_sd2["path"], server.models_dir / os.path.basename(tiny_sd2["path"]))
     try:
         server.start()

@@ -6,8 +6,8 @@ import json
 import os
 import re
 
-from comfy_graphs import sd2_graph
-from comfy_server import PACK_DIR_NAME, execution_error
+from harness.comfy_graphs import sd2_graph
+from harness.comfy_server import PACK_DIR_NAME, execution_error
 
 EXPECTED_MODULE = "custom_nodes." + PACK_DIR_NAME
 

@@ -11,8 +11,6 @@ inputs. A family that launches on the legacy stream (sage 2.x CUDA, e.g. the sm_
 path) would need a stream hop, illegal under capture: the call runs ComfyUI's function (here
 the benches' stand-in, PyTorch SDPA) inside the graph, bitwise that function's eager output.
 """
-import os
-import sys
 
 import pytest
 import torch
@@ -21,9 +19,7 @@ from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
 from safe_ops.policy import Policy
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-sys.path.insert(0, BENCH)
-import gpu_attention as ga  # noqa: E402
+from bench import gpu_attention as ga
 
 pytestmark = pytest.mark.gpu
 HEADS = 56

@@ -4,8 +4,6 @@ Run on the GPU machine: python -m pytest tests/gpu -v -rs
 (``SAFESAGE_BENCH_FAMILY=sage2_fp8pv_perwarp`` runs them on that sage 2.2 family: the
 sm_120 dispatch; by default the family ``sageattn`` runs on this GPU.)
 """
-import os
-import sys
 
 import pytest
 import torch
@@ -13,9 +11,7 @@ import torch
 from safe_ops.ui import run_stats
 from safe_ops.policy import Policy
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench")
-sys.path.insert(0, BENCH)
-import gpu_attention as ga  # noqa: E402
+from bench import gpu_attention as ga
 
 pytestmark = pytest.mark.gpu
 

@@ -2,19 +2,15 @@
 
 Skipped without CUDA + sageattention (conftest). Run on the GPU machine:
     python -m pytest tests/gpu/test_gpu_kvchunks.py -v -rs
-Sizes are small (seconds); bench/gpu_kvchunks.py measures H3 lengths.
+Sizes are small (seconds); python -m bench.gpu_kvchunks measures H3 lengths.
 """
 import dataclasses
-import os
-import sys
 
 import pytest
 import torch
 
 from safe_ops.ui import run_stats
 from safe_ops.policy import Policy
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +36,7 @@ def _att(kern):
 def _noop(*a, **k):
     """ComfyUI's attention function as the override receives it: SafeSage runs it for every call
     no guarded kernel takes (PyTorch SDPA, as ComfyUI's attention_pytorch)."""
-    from gpu_attention import comfy_attention
+    from bench.gpu_attention import comfy_attention
     return comfy_attention(*a, **k)
 
 

@@ -3,15 +3,12 @@
 
 Needs a sage 2.2 build with a legacy-stream family for this GPU (``SAFESAGE_BENCH_FAMILY``,
 default sage2_fp8pv_perwarp; on the H200 the 8.9+PTX build: ``ss_sage sm89``)."""
-import importlib.util
 import os
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-spec = importlib.util.spec_from_file_location("gpu_streams", os.path.join(ROOT, "bench", "gpu_streams.py"))
-gs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gs)
+from bench import gpu_streams as gs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 FAMILY = os.environ.get("SAFESAGE_BENCH_FAMILY") or "sage2_fp8pv_perwarp"

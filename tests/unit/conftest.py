@@ -6,15 +6,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-import importlib.util  # noqa: E402
-
 import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def bench_tables():
-    """bench/tables.py as a module (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_tables", os.path.join(ROOT, "bench", "tables.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """bench/tables.py (python -m bench.tables)."""
+    from bench import tables
+    return tables

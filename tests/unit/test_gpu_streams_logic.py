@@ -3,7 +3,6 @@ from the executor's hop (fake CUDA, as in test_streams.py) and restores it; the 
 profiler-trace classification. And the committed GPU results, when present, agree with the
 envelopes' ``launches_on_legacy_stream`` and show every control failing."""
 import glob
-import importlib.util
 import json
 import os
 
@@ -22,10 +21,8 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 
 @pytest.fixture(scope="module")
 def gs():
-    spec = importlib.util.spec_from_file_location("gpu_streams", os.path.join(ROOT, "bench", "gpu_streams.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench import gpu_streams
+    return gpu_streams
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +101,7 @@ def test_dry_run_writes_its_command_and_arms(gs, tmp_path):
     out = tmp_path / "neg.json"
     gs.main(["negative", "--dry-run", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["dry_run"] and res["env"]["command"].endswith(f"bench/gpu_streams.py negative --dry-run --out {out}")
+    assert res["dry_run"] and res["env"]["command"].endswith(f"-m bench.gpu_streams negative --dry-run --out {out}")
     assert set(res["arm_patches"]) == set(gs.ARMS) and res["arm_patches"]["pack"] == []
 
 

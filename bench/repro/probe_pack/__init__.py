@@ -31,29 +31,18 @@ Route: GET /safesage_repro/memory -> the server's torch memory now (memory_now; 
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.realpath(__file__))
-_REPRO = os.path.dirname(_HERE)
-_BENCH = os.path.dirname(_REPRO)
+# this pack is loaded by ComfyUI from custom_nodes/, not as part of bench/: the repository is on the
+# server's PYTHONPATH (bench/repro/worker.py puts it there)
+from bench import benchutil
+from bench.repro import memory
+
 log = logging.getLogger("safesage_repro")
-
-
-def _load(name: str, path: str):
-    """A bench module by its path (this pack is imported by ComfyUI, not as part of bench/)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-memory = _load("safesage_repro_memory", os.path.join(_REPRO, "memory.py"))
-benchutil = _load("safesage_repro_benchutil", os.path.join(_BENCH, "benchutil.py"))
 
 
 class _Record:

@@ -1,8 +1,8 @@
 """Start and stop one real ComfyUI server process (its own main.py) and talk to it over HTTP.
 
 Shared by the headless tests (comfy_server.py, which fixes the test settings: $COMFYUI_PATH,
---cpu, no PYTHONPATH) and by the GPU reproduction harness (bench/repro/worker.py, which imports
-this file by path and passes the arm's flags and environment). Nothing here knows about SafeSage.
+--cpu, no PYTHONPATH) and by the GPU reproduction harness (bench/repro/worker.py, which passes the
+arm's flags and environment). Nothing here knows about SafeSage.
 
 The server runs `main.py` in the given ComfyUI tree on 127.0.0.1 with a free port, a temporary
 --base-directory whose custom_nodes/ holds the given node packs (symlinked), an in-memory

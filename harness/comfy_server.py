@@ -1,4 +1,4 @@
-"""A real headless ComfyUI server process and its HTTP helpers (used by tests/comfy/conftest.py).
+"""A real headless ComfyUI server process and its HTTP helpers (tests/comfy/conftest.py, tests/browser).
 
 Source tree: $COMFYUI_PATH (set by .ci/setup_env.sh to ComfyUI 0.3.75 from PyPI; developers point
 it at another tree, e.g. a 0dd9b154 export for the MiniMax H3 tests). Python: $SAFESAGE_PYTHON
@@ -7,7 +7,7 @@ Without a usable COMFYUI_PATH every test here is skipped with the reason printed
 
 The server runs `main.py --cpu` on 127.0.0.1 with a temporary --base-directory whose
 custom_nodes/ holds this repository (symlinked as ComfyUI-SafeSage) and the test-only nodes in
-tests/comfy/test_nodes (symlinked as safesage_test_nodes). comfy_process.py starts it (Popen) and
+tests/comfy/test_nodes (symlinked as safesage_test_nodes). comfy_process starts it (Popen) and
 stops it by that PID at the end of the session; the GPU reproduction harness (bench/repro) starts
 its servers with the same code.
 """
@@ -22,15 +22,15 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_process import START_TIMEOUT_S, ComfyProcess, ServerDied, execution_error, free_port  # noqa: F401
+from .comfy_process import START_TIMEOUT_S, ComfyProcess, ServerDied, execution_error, free_port  # noqa: F401
 
 try:
     import requests
 except ImportError:  # reported as the skip reason by comfy_path_problem()
     requests = None
 
-REPO = Path(__file__).resolve().parents[2]
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
+TEST_NODES = REPO / "tests" / "comfy" / "test_nodes"     # loaded beside the pack
 PACK_DIR_NAME = "ComfyUI-SafeSage"
 TEST_NODES_DIR_NAME = "safesage_test_nodes"
 
@@ -91,9 +91,10 @@ class ComfyServer(ComfyProcess):
         """Write a tiny random model into <base>/models/diffusion_models/<name>; returns the
         generator's JSON description (see tiny_models.py)."""
         out = self.models_dir / name
-        env = dict(os.environ, COMFYUI_PATH=str(comfy_root()))
-        env.pop("PYTHONPATH", None)
-        r = subprocess.run([server_python(), str(HERE / "tiny_models.py"), kind, str(out),
+        # the generator imports ComfyUI (its tree first, so its own `nodes` wins) and this harness
+        env = dict(os.environ, COMFYUI_PATH=str(comfy_root()),
+                   PYTHONPATH=os.pathsep.join([str(comfy_root()), str(REPO)]))
+        r = subprocess.run([server_python(), "-m", "harness.tiny_models", kind, str(out),
                             "--seed", str(seed)],
                            cwd=str(self.base), env=env, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
@@ -104,7 +105,7 @@ class ComfyServer(ComfyProcess):
 @contextmanager
 def running_pack_server(base: Path, name: str = "comfy", extra_args: tuple = ()):
     """A started server with this pack and the test nodes in its custom_nodes; stopped on exit."""
-    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: HERE / "test_nodes"}, name=name,
+    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name=name,
                          extra_args=extra_args)
     try:
         server.start()

@@ -1,10 +1,11 @@
 """Write tiny random-weight diffusion models with ComfyUI's own model classes (no downloads).
 
-Run as a script with the server's python, from anywhere; COMFYUI_PATH must point at the ComfyUI
-tree under test (it is put on sys.path here):
+Run as a module with the server's python; COMFYUI_PATH must point at the ComfyUI tree under test,
+and that tree (first) and the repository root must be on PYTHONPATH (harness.comfy_server.make_model
+sets both):
 
-    python tiny_models.py sd2 OUT.safetensors [--seed N]
-    python tiny_models.py h3  OUT.safetensors [--seed N]     (ComfyUI trees with MiniMax H3 only)
+    PYTHONPATH=$COMFYUI_PATH:. python -m harness.tiny_models sd2 OUT.safetensors [--seed N]
+    PYTHONPATH=$COMFYUI_PATH:. python -m harness.tiny_models h3  OUT.safetensors [--seed N]   (H3 trees only)
 
 Prints one JSON line on stdout describing what was written (detected model class, counts the tests
 use to derive expected numbers).
@@ -30,8 +31,9 @@ def _setup_comfy():
     root = os.environ.get("COMFYUI_PATH")
     if not root or not os.path.isfile(os.path.join(root, "comfy", "model_management.py")):
         sys.exit("COMFYUI_PATH must point at a ComfyUI tree")
-    sys.path.insert(0, root)
     import comfy.cli_args
+    if os.path.realpath(os.path.dirname(os.path.dirname(comfy.cli_args.__file__))) != os.path.realpath(root):
+        sys.exit("COMFYUI_PATH=%s is not the ComfyUI on PYTHONPATH (%s)" % (root, comfy.cli_args.__file__))
 
     comfy.cli_args.args.cpu = True  # before model_management is imported
     return root
