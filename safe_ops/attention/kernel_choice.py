@@ -9,8 +9,7 @@ from __future__ import annotations
 import sys
 
 from ..facts.devices import Runtime
-from ..facts.kernel_table import measured_order, measured_tflops
-from ..families.registry import family_kind
+from ..families.registry import family_kind, measured_tflops
 
 
 def pricing_tflops(kernel_policy: str, arch_name: str) -> dict | None:
@@ -93,3 +92,15 @@ def explain_auto(rt: Runtime, families: list[str], comfy_choice: str | None = No
     order, why = auto_order(rt.arch_name, families, comfy_choice)
     name = "ComfyUI's own attention (PyTorch SDPA)" if order[0] == "sdpa" else order[0]
     return f"auto picked {name} because {why}"
+
+
+def measured_order(arch_name: str, families: list[str]) -> list[str] | None:
+    """Families sorted fastest first by the measured table, or None if this arch is unmeasured."""
+    tflops = measured_tflops(arch_name)
+    if not tflops:
+        return None
+    known = [f for f in families if f in tflops]
+    if not known:
+        return None
+    known.sort(key=lambda f: -tflops[f])
+    return known + [f for f in families if f not in tflops]

@@ -2,7 +2,8 @@
 
 Written by the GPU benches (``bench/tables.py --update-table``, ``bench/gpu_kvchunks.py --update-table``;
 only families whose output matched SDPA); read by ``auto`` (attention.kernel_choice) and by the
-registry's choice of the other sage-2 families to offer (families.registry.installed_kernels).
+registry's choice of the other sage-2 families to offer, through families.registry.measured_tflops
+(which knows the families measured under another family's entry).
 """
 from __future__ import annotations
 
@@ -24,27 +25,14 @@ def kernel_table() -> dict:
         return {}
 
 
-def measured_tflops(arch_name: str) -> dict:
-    """Measured TFLOP/s per family on ``arch_name`` (aliases filled in); {} when unmeasured."""
-    # Families that run the same kernel and differ only in their (version-dependent) envelope share
-    # one measured number (each family's KernelFamily.table_name: comfy-kitchen 0.2.29-0.2.35 and
-    # 0.2.36-0.2.40 time the same int8_attention)
-    from ..families.registry import table_aliases
+def arch_tflops(arch_name: str, aliases: dict[str, str]) -> dict:
+    """Measured TFLOP/s per family on ``arch_name``, ``aliases`` (family -> the entry it is measured
+    under) filled in both ways; {} when unmeasured."""
     tflops = dict(kernel_table().get("archs", {}).get(arch_name, {}).get("tflops", {}))
-    for alias, name in table_aliases().items():
+    for alias, name in aliases.items():
         if alias in tflops or name in tflops:
             tflops.setdefault(name, tflops.get(alias))
             tflops.setdefault(alias, tflops[name])
     return tflops
 
 
-def measured_order(arch_name: str, families: list[str]) -> list[str] | None:
-    """Families sorted fastest first by the measured table, or None if this arch is unmeasured."""
-    tflops = measured_tflops(arch_name)
-    if not tflops:
-        return None
-    known = [f for f in families if f in tflops]
-    if not known:
-        return None
-    known.sort(key=lambda f: -tflops[f])
-    return known + [f for f in families if f not in tflops]

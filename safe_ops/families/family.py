@@ -26,7 +26,7 @@ from .envelope import Envelope
 if TYPE_CHECKING:
     import torch
 
-    from ..facts.devices import Runtime
+# "Runtime" in the annotations below is facts.devices.Runtime (not imported: facts import families)
 
 KernelFn = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", str, "float | None"], "torch.Tensor"]
 KernelLseFn = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", str, "float | None"],

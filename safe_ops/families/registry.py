@@ -26,7 +26,7 @@ import types
 
 from . import (ck_int8, envelope, family as family_mod, rules, sage1, sage2_fp8pv_perwarp, sage2_sm80,
                sage2_sm86_triton, sage2_sm89_fp8pv, sage2_sm90, sage2_sm120_fp8pv, sdpa)
-from ..facts.kernel_table import measured_tflops
+from ..facts.kernel_table import arch_tflops
 from .envelope import register
 from .family import Kernel, KernelFamily
 from .rules import KvLenRule
@@ -137,6 +137,12 @@ def family_kind(name: str) -> str:
     if f is not None:
         return f.kind
     return "ck" if name.startswith("ck_") else "sdpa" if name == "sdpa" else "sage"
+
+
+def measured_tflops(arch_name: str) -> dict:
+    """kernel_table.json's TFLOP/s on ``arch_name``, every family measured under another's entry filled
+    in (comfy-kitchen 0.2.29-0.2.35 and 0.2.36-0.2.40 time the same int8_attention); {} when unmeasured."""
+    return arch_tflops(arch_name, table_aliases())
 
 
 def table_aliases() -> dict[str, str]:
