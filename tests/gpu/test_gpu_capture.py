@@ -32,7 +32,7 @@ def test_capture_replays_the_override_bitwise():
     q, k, v = ga.h3_qkv(4096, "strided")
 
     def block():
-        return att(ga._noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+        return att(ga.noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -41,7 +41,7 @@ def test_capture_replays_the_override_bitwise():
         # and ComfyUI's own function, which runs a legacy-stream family's calls under capture:
         # every op a graph captures is warmed up on a side stream first (torch.cuda.graph's
         # contract; cuDNN's SDPA allocates its workspace at its first call)
-        ga._noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+        ga.noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
@@ -53,7 +53,7 @@ def test_capture_replays_the_override_bitwise():
     assert run_stats.STATS["captured_calls"] == 1
     same_stream = not kern.envelope.launches_on_legacy_stream
     assert run_stats.STATS["captured_guarded"] == (1 if same_stream else 0), kern.family
-    reference = eager if same_stream else ga._noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+    reference = eager if same_stream else ga.noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
     assert torch.equal(out, reference), (kern.family, ga.rel_l2(out, reference))
     # new values in the same memory: the replay recomputes them
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -61,7 +61,7 @@ def test_capture_replays_the_override_bitwise():
         t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=g))
     graph.replay()
     torch.cuda.synchronize()
-    again = block() if same_stream else ga._noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
+    again = block() if same_stream else ga.noop(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)
     torch.cuda.synchronize()
     assert torch.equal(out, again), (kern.family, ga.rel_l2(out, again))
     assert run_stats.STATS["captured_errors"] == 0 and run_stats.STATS["internal_errors"] == 0
