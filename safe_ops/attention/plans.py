@@ -1,0 +1,159 @@
+"""The override's choice and its caches: which kernel families a call may use, the plan prepared
+once per call signature (:class:`Prepared`), and that plan under the memory budget *now* (a plan
+per budget bucket, and under ComfyUI's allocation compiler one per sampling run).
+
+A mixin of :class:`~.override.SafeAttention` (which holds ``policy``, ``rt``, ``kernels``, the
+verifier and the caches these methods fill); the call flow itself is in override.py.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..facts import compiler
+from ..families.envelope import AttnCall
+from ..families.registry import family_kind
+from ..ui import run_stats
+from .call_forms import Normalised, describe_tensor, dtype_name
+from .comfy_functions import unguarded_kind
+from .kernel_choice import auto_order, comfy_attention_choice, pricing_tflops
+from .planner import Plan, choose
+from .verification import class_key
+
+RUNS_KEPT = 4      # per call signature: the plans of this many sampling runs (threads) at once
+
+
+@dataclass
+class Prepared:
+    """Everything per call signature that the hot path needs, computed once."""
+    plan: Plan                        # chosen under the budget read when the signature was new
+    call: AttnCall
+    shape_key: str
+    count_key: str
+    envelopes: list                   # the candidate kernels' envelopes, in preference order
+    by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
+    class_keys: dict                  # kernel family -> verifier class key of this call
+    tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
+    run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
+    previous_viol: list | None = None  # the chained override's kernel's violations by this call
+
+
+class PlanChoice:
+    """SafeAttention's choice of kernel and plan per call signature, and the caches behind it."""
+
+    def candidates(self, func: Callable | None, comfy_wants_sage: bool | None = None) -> list[str]:
+        """Kernel families in preference order for this policy (sdpa -- ComfyUI's own -- last).
+
+        ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default what would run
+        without SafeSage: the override SafeSage chained, else the attention function ComfyUI
+        handed to the override (sage, comfy-kitchen or neither), else ComfyUI's flags when
+        ``func`` is None (runtime.comfy_attention_choice).
+        """
+        sage = [f for f in self.kernels if f != "sdpa"]
+        if self.policy.kernel == "sdpa":
+            return ["sdpa"]
+        if func is not None and id(func) in self._layer_fn_ids:
+            # a layer asked ComfyUI for this function: its kernel (guarded) or ComfyUI's own
+            kind = unguarded_kind(func)
+            return [f for f in sage if family_kind(f) == kind] + ["sdpa"]
+        if self.policy.kernel == "sage":
+            return sage + ["sdpa"]
+        # Measured GPU: by measurement; unmeasured: what ComfyUI was configured to run.
+        if comfy_wants_sage is not None:
+            choice = "sage" if comfy_wants_sage else None
+        elif self.previous is not None:
+            choice = self.previous_kind
+        elif func is not None:
+            choice = unguarded_kind(func)
+        else:
+            choice = comfy_attention_choice()
+        return auto_order(self.rt.arch_name, sage, choice)[0]
+
+    def _budget(self, device: torch.device) -> int | None:
+        """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit):
+        the policy's fixed number, else budget.BudgetReader's bucketed share of free memory."""
+        if self.policy.max_extra_bytes is not None:
+            return self.policy.max_extra_bytes
+        return self._budget_reader(device)
+
+    def _within_budget(self, p: "Prepared", device: torch.device) -> Plan:
+        """The plan for this signature under the budget *now*: when free memory has moved to
+        another bucket since the signature was planned, the same choice is made again for the
+        new budget (cached per bucket), in either direction -- a sage plan that no longer fits
+        becomes smaller launches or SDPA, an SDPA plan chosen under pressure becomes sage again.
+        A fixed budget (the policy's) never moves. Under ComfyUI's allocation compiler the plan
+        chosen at a signature's first call of a sampling run is kept for the whole run (another
+        plan on a later step would allocate differently: a graph break)."""
+        if self.policy.max_extra_bytes is not None or not p.envelopes:
+            return p.plan
+        if compiler.enabled(device):
+            run = compiler.run_id()          # the calling thread's run: another thread's keeps its plan
+            plan = p.run.get(run)
+            if plan is None:
+                plan = self._remember(p.run, run, self._by_budget(p, device), RUNS_KEPT)
+            return plan
+        return self._by_budget(p, device)
+
+    def _by_budget(self, p: "Prepared", device: torch.device) -> Plan:
+        budget = self._budget(device)            # None off CUDA: no budget, nothing to re-check
+        if budget is None:
+            return p.plan
+        new = p.by_budget.get(budget)
+        if new is None:
+            new = p.by_budget[budget] = choose(p.call, p.envelopes, budget, p.tflops)
+            if new != p.plan:
+                run_stats.count("replans")
+                run_stats.once(("replan", p.plan, budget), logging.INFO,
+                            "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
+                            new.describe(False), p.plan.describe(False))
+        return new
+
+    def _remember(self, cache: dict, key: Any, value: Any, keep: int | None = None) -> Any:
+        """``cache[key] = value``, trimmed to the store's bound, under the cache lock (another
+        thread may be inserting: a trim iterates the dict)."""
+        with self._cache_lock:
+            cache[key] = value
+            run_stats.trim(cache, keep)
+        return value
+
+    def _describe(self, n: Normalised) -> AttnCall:
+        q, k, v = n.q, n.k, n.v
+        return AttnCall(describe_tensor(q), describe_tensor(k), describe_tensor(v), dtype_name(q.dtype), n.caller_layout,
+                        n.mask is not None, q.device.type, self.rt.arch_name, q.element_size())
+
+    def _prepare(self, n: Normalised, func: Callable | None) -> "Prepared":
+        """The slow path, once per call signature: describe the call, choose the plan."""
+        q = n.q
+        call = self._describe(n)
+        cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
+        # families that failed verification for this class of call are not candidates
+        broken = self.broken
+        cand = [f for f in cand if f == "sdpa" or not (f in broken or
+                                                       self.verifier.known_bad(self._class_key(f, call)))]
+        envelopes = [self.kernels[f].envelope for f in cand]
+        budget = self._budget(q.device)
+        # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
+        tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name)
+        plan = choose(call, envelopes, budget, tflops)
+        key = shape_key(call, n)
+        run_stats.remember_plan(key, plan.describe())
+        # only sage candidates can change with the budget (SDPA chosen first needs none)
+        envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
+        return Prepared(plan, call, key, f"plan:{plan.kind}", envelopes,
+                        {} if budget is None else {budget: plan}, {}, tflops)
+
+    def _class_key(self, family: str, call: AttnCall) -> tuple:
+        """Verdicts are per class of *call* (the caller's layout), whatever plan ran it, on this
+        GPU arch with this kernel build."""
+        return class_key(family, self._sites[family], call.dtype, call.head_dim, call.layout, call.heads,
+                         call.kv_heads, call.q_len, call.kv_len)
+
+
+def shape_key(call: AttnCall, n: Normalised) -> str:
+    """How a call signature is named in logs and statistics."""
+    return f"{call.dtype} q{tuple(n.q.shape)} k{tuple(n.k.shape)} {call.layout}"
+
+
