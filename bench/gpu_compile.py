@@ -58,7 +58,7 @@ def comfy_attention(path: str | None, cpu: bool):
     else:
         why = "no ComfyUI tree given"
     os.environ.pop("COMFYUI_PATH", None)
-    from harness import comfy_attention_fn
+    from tools.harness import comfy_attention_fn
     return comfy_attention_fn.attention_pytorch, f"stand-in ({why})"
 
 

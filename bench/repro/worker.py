@@ -1,7 +1,7 @@
 """One row (size x arm): a fresh ComfyUI server -- its own main.py start-up with the arm's flags and
 environment -- that runs the row's graph (workflow.py) queued over HTTP, and what it left.
 
-The server is started by harness/comfy_process.py (the launcher the headless tests use) in a
+The server is started by tools/harness/comfy_process.py (the launcher the headless tests use) in a
 temporary --base-directory holding the checkpoint (a link in models/diffusion_models), the probe pack
 (bench/repro/probe_pack) and, for the SafeSage arms only, this repository as ComfyUI-SafeSage. Its
 PYTHONPATH is passed on (the GPU box's wheels live there), with bench/repro/av_stub in front when its
@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import comfy_process as _launcher
+from tools.harness import comfy_process as _launcher
 
 from . import arms, logs, memory, workflow
 
@@ -38,7 +38,7 @@ PROBE_DIR_NAME = "safesage_repro_probe"
 
 
 def comfy_process():
-    """The launcher the headless tests use (harness/comfy_process.py)."""
+    """The launcher the headless tests use (tools/harness/comfy_process.py)."""
     return _launcher
 
 

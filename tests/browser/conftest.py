@@ -1,5 +1,5 @@
 """Fixtures for tests/browser/: a headless ComfyUI (--cpu) of its own, with its frontend, driven in
-headless chromium. Reuses the harness's server helpers (harness/comfy_server.py, comfy_graphs.py).
+headless chromium. Reuses the harness's server helpers (tools/harness/comfy_server.py, comfy_graphs.py).
 
 Every test here is skipped, with the reason printed (-rs), without a ComfyUI tree
 (COMFYUI_PATH), or without chromium / playwright / comfyui-frontend-package
@@ -16,7 +16,7 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 from browser import browser_problem  # noqa: E402
-from harness.comfy_server import comfy_path_problem, running_pack_server, server_python  # noqa: E402
+from tools.harness.comfy_server import comfy_path_problem, running_pack_server, server_python  # noqa: E402
 
 
 def pytest_configure(config):

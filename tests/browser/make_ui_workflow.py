@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]       # browser.py, and the repository root (harness)
 
 from browser import browser_problem, hide_overlays, open_comfy  # noqa: E402
-from harness.comfy_server import (REPO, comfy_path_problem, has_minimax_h3, running_pack_server,  # noqa: E402
+from tools.harness.comfy_server import (REPO, comfy_path_problem, has_minimax_h3, running_pack_server,  # noqa: E402
                           server_python)
 
 NAME = "minimax_h3_ref2va_safesage"

@@ -18,8 +18,8 @@ import time
 import pytest
 
 from browser import hide_overlays, open_comfy
-from harness.comfy_graphs import canonical_inputs, sd2_graph
-from harness.comfy_server import REPO, has_minimax_h3
+from tools.harness.comfy_graphs import canonical_inputs, sd2_graph
+from tools.harness.comfy_server import REPO, has_minimax_h3
 
 pytestmark = pytest.mark.browser
 

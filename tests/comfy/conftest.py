@@ -1,6 +1,6 @@
 """Fixtures for tests/comfy/: one real headless ComfyUI server per pytest session.
 
-See harness/comfy_server.py for how it is started. Without a usable COMFYUI_PATH (and outside
+See tools/harness/comfy_server.py for how it is started. Without a usable COMFYUI_PATH (and outside
 `bash .ci/run`, which sets one up) every test here is skipped with the reason printed (-rs).
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
+from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
                           comfy_path_problem, has_minimax_h3)
 
 HERE = Path(__file__).resolve().parent

@@ -16,8 +16,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.comfy_graphs import saved_latents, sd2_graph, stats_delta
-from harness.comfy_server import running_pack_server
+from tools.harness.comfy_graphs import saved_latents, sd2_graph, stats_delta
+from tools.harness.comfy_server import running_pack_server
 
 FLAGS = {
     "default": (),

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from harness.comfy_graphs import sd2_graph
-from harness.comfy_server import PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer, execution_error
+from tools.harness.comfy_graphs import sd2_graph
+from tools.harness.comfy_server import PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer, execution_error
 
 CAUSE = "simulated broken SafeSage install (tests/comfy)"
 # what a user's install has; everything else in the repository is development-only

@@ -24,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.comfy_graphs import SAFESAGE_DEFAULTS, SAFESAGE_NODE as SAFESAGE, saved_latents, stats_delta, sd2_chain
+from tools.harness.comfy_graphs import SAFESAGE_DEFAULTS, SAFESAGE_NODE as SAFESAGE, saved_latents, stats_delta, sd2_chain
 
 
 def test_two_safesage_nodes_in_a_row(comfy, tiny_sd2, seed_counter):

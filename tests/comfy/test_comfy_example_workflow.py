@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from harness.comfy_graphs import canonical_inputs
-from harness.comfy_server import REPO
+from tools.harness.comfy_graphs import canonical_inputs
+from tools.harness.comfy_server import REPO
 
 NAME = "minimax_h3_ref2va_safesage"
 
@@ -109,7 +109,7 @@ def test_template_browser_lists_the_ui_workflow_and_thumbnail(comfy):
     thumbnail from /api/workflow_templates/<pack folder>/<name>.json|.jpg."""
     import requests
 
-    from harness.comfy_server import PACK_DIR_NAME
+    from tools.harness.comfy_server import PACK_DIR_NAME
 
     listed = comfy.get_json("/workflow_templates")
     assert listed.get(PACK_DIR_NAME) == [NAME], listed

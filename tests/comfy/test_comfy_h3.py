@@ -20,7 +20,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, stats_delta
+from tools.harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, stats_delta
 
 from safe_ops.models.h3.dims import h3_tokens
 

@@ -15,8 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.comfy_graphs import SAFESAGE_NODE as SAFESAGE, max_rel_diff, saved_latents, stats_delta, sd2_chain
-from harness.comfy_server import execution_error
+from tools.harness.comfy_graphs import SAFESAGE_NODE as SAFESAGE, max_rel_diff, saved_latents, stats_delta, sd2_chain
+from tools.harness.comfy_server import execution_error
 
 
 @pytest.fixture(scope="module")

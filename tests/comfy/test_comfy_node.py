@@ -6,8 +6,8 @@ import json
 import os
 import re
 
-from harness.comfy_graphs import sd2_graph
-from harness.comfy_server import PACK_DIR_NAME, execution_error
+from tools.harness.comfy_graphs import sd2_graph
+from tools.harness.comfy_server import PACK_DIR_NAME, execution_error
 
 EXPECTED_MODULE = "custom_nodes." + PACK_DIR_NAME
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import re
 
-from harness.comfy_graphs import SAFESAGE_DEFAULTS
-from harness.comfy_server import has_minimax_h3
+from tools.harness.comfy_graphs import SAFESAGE_DEFAULTS
+from tools.harness.comfy_server import has_minimax_h3
 
 from safe_ops.models.h3.dims import h3_tokens
 

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.comfy_server import comfy_root  # noqa: E402
+from tools.harness.comfy_server import comfy_root  # noqa: E402
 
 STEPS = 2
 # fp8-dequantized weights are identical on both paths; the chunked MLP and the attention override

@@ -19,7 +19,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.comfy_graphs import saved_latents, sd2_graph, stats_delta
+from tools.harness.comfy_graphs import saved_latents, sd2_graph, stats_delta
 
 # Without sageattention every attention call runs ComfyUI's own function through the override,
 # with the caller's arguments: the latent is the same to the last bit.

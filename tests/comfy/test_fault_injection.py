@@ -44,8 +44,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, sd2_graph
-from harness.comfy_server import execution_error
+from tools.harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, sd2_graph
+from tools.harness.comfy_server import execution_error
 
 CHUNK_TOL_FACTOR = 4.0
 CHUNK_TOL_FLOOR = 1e-4

@@ -1,7 +1,7 @@
 """SafeSage's attention override under torch.compile (CPU): graph breaks counted with
 ``torch._dynamo.explain`` on a toy 2-block module whose forward calls ComfyUI's own
 attention_pytorch (its wrap_attn hands each call to the override; a stand-in without
-COMFYUI_PATH, see harness/comfy_attention_fn.py).
+COMFYUI_PATH, see tools/harness/comfy_attention_fn.py).
 
 * ``kernel="sdpa"``: SafeSage hands every call to ComfyUI's function -- the same graph-break
   count as ComfyUI's attention alone (+0; it was one "Unsupported context manager" per call:
@@ -25,7 +25,7 @@ from safe_ops.attention.override import SafeAttention
 from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 
-from harness.comfy_attention_fn import attention
+from tools.harness.comfy_attention_fn import attention
 from test_attention import CPU_RT, EnvelopeAssertingKernel, toy_envelope
 
 ATTN, WHICH = attention()

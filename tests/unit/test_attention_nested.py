@@ -12,7 +12,7 @@ from safe_ops.attention.override import SafeAttention
 from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 
-from harness.comfy_attention_fn import attention, wrap_attn
+from tools.harness.comfy_attention_fn import attention, wrap_attn
 from test_attention import CPU_RT, ComfyFunc, EnvelopeAssertingKernel, h3_like, reference, toy_envelope
 
 

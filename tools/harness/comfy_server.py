@@ -94,7 +94,7 @@ class ComfyServer(ComfyProcess):
         # the generator imports ComfyUI (its tree first, so its own `nodes` wins) and this harness
         env = dict(os.environ, COMFYUI_PATH=str(comfy_root()),
                    PYTHONPATH=os.pathsep.join([str(comfy_root()), str(REPO)]))
-        r = subprocess.run([server_python(), "-m", "harness.tiny_models", kind, str(out),
+        r = subprocess.run([server_python(), "-m", "tools.harness.tiny_models", kind, str(out),
                             "--seed", str(seed)],
                            cwd=str(self.base), env=env, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
