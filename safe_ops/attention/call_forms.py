@@ -51,17 +51,23 @@ class UnsupportedCall(ValueError):
     """An attention call SafeSage cannot read; it is passed to ComfyUI's own function."""
 
 
-def normalise(args: tuple, kwargs: dict) -> Normalised:
-    """ComfyUI's call forms -> HND views of q/k/v (no copies) plus what the output needs."""
+def call_arguments(args: tuple, kwargs: dict) -> tuple:
+    """ComfyUI's ``(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+    skip_output_reshape=False, **kwargs)``, positional or by keyword, as that tuple (plain reads:
+    dynamo traces it, see opaque_op.read_call)."""
     na = len(args)
     get = kwargs.get
-    q = args[0] if na > 0 else get("q")
-    k = args[1] if na > 1 else get("k")
-    v = args[2] if na > 2 else get("v")
-    heads = args[3] if na > 3 else get("heads")
-    mask = args[4] if na > 4 else get("mask")
-    skip_reshape = bool(args[6] if na > 6 else get("skip_reshape", False))
-    skip_output_reshape = bool(args[7] if na > 7 else get("skip_output_reshape", False))
+    return (args[0] if na > 0 else get("q"), args[1] if na > 1 else get("k"), args[2] if na > 2 else get("v"),
+            args[3] if na > 3 else get("heads"), args[4] if na > 4 else get("mask"),
+            args[5] if na > 5 else get("attn_precision"), args[6] if na > 6 else get("skip_reshape", False),
+            args[7] if na > 7 else get("skip_output_reshape", False))
+
+
+def normalise(args: tuple, kwargs: dict) -> Normalised:
+    """ComfyUI's call forms -> HND views of q/k/v (no copies) plus what the output needs."""
+    get = kwargs.get
+    q, k, v, heads, mask, _, skip_reshape, skip_output_reshape = call_arguments(args, kwargs)
+    skip_reshape, skip_output_reshape = bool(skip_reshape), bool(skip_output_reshape)
     Tensor = torch.Tensor
     if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
         raise UnsupportedCall("q, k and v must be tensors")

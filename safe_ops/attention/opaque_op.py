@@ -31,6 +31,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .call_forms import call_arguments
+
 OP_NAME = "safesage::attention"
 STATE_MODULE = "safesage_opaque_op_state"      # the process-wide registry and op
 
@@ -124,21 +126,13 @@ def read_call(args: tuple, kwargs: dict) -> tuple | None:
     """The op's arguments for a call a guarded kernel may take (dynamo traces this: no caches, no
     exceptions), or None: a masked or full-precision call, one that needs a gradient (the guarded
     kernels have no backward), or one of another form."""
-    na = len(args)
     get = kwargs.get
-    q = args[0] if na > 0 else get("q")
-    k = args[1] if na > 1 else get("k")
-    v = args[2] if na > 2 else get("v")
-    heads = args[3] if na > 3 else get("heads")
-    mask = args[4] if na > 4 else get("mask")
-    prec = args[5] if na > 5 else get("attn_precision")
-    skip_reshape = args[6] if na > 6 else get("skip_reshape", False)
-    skip_out = args[7] if na > 7 else get("skip_output_reshape", False)
+    q, k, v, heads, mask, prec, skip_reshape, skip_out = call_arguments(args, kwargs)
     scale = get("scale")
     to = get("transformer_options")
     bi = to.get("block_index") if isinstance(to, dict) else None
     T = torch.Tensor
-    if (na > 8 or mask is not None or get("low_precision_attention", True) is False
+    if (len(args) > 8 or mask is not None or get("low_precision_attention", True) is False
             or not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T))
             or type(heads) is not int or heads < 1 or not isinstance(skip_reshape, bool)
             or not isinstance(skip_out, bool) or not (prec is None or isinstance(prec, torch.dtype))

@@ -5,28 +5,23 @@ adapter, tolerance and the archs it runs on; what the sage 2.2 families share: `
 """
 from __future__ import annotations
 
-from . import sage2_temp_bytes as B
-from .envelope import Envelope, register
-from .rules import KvLenRule
-from .sage2 import FP8_PERWARP, FP8_SM120_MAX_KV_LEN, ROLES, SAGE2_LSE, SOURCE, sage2_family
+import dataclasses
 
-SAGE2_SM120_FP8PV = register(Envelope(
+from .envelope import register
+from .rules import KvLenRule
+from .sage2 import FP8_SM120_MAX_KV_LEN, sage2_family
+from .sage2_fp8pv_perwarp import SAGE2_FP8PV_PERWARP
+
+# the per_warp fp8-PV kernel (its index terms, roles, temporaries, stream) plus #388's key-length rule
+SAGE2_SM120_FP8PV = register(dataclasses.replace(
+    SAGE2_FP8PV_PERWARP,
     family="sage2_sm120_fp8pv",
-    **SAGE2_LSE,
-    source=SOURCE,
-    head_dims=(64, 128),
-    dtypes=("float16", "bfloat16"),
-    supports_mask=False,
-    terms=FP8_PERWARP,
-    roles=ROLES,
     extra_rules=(
         KvLenRule("sage2_sm120_fp8pv", FP8_SM120_MAX_KV_LEN,
                   "SageAttention #388 (RTX PRO 6000 sm_120, sage 2.2.0, MiniMax H3: clean <~154k, noise "
                   ">~160k; also #391/#403, ComfyUI #15263); evidence-based, mechanism unknown (HAZARDS.md H-1, H-6)",
                   "FP8-PV on sm_120 reported to turn to noise without an error"),
     ),
-    launches_on_legacy_stream=True,
-    temp_bytes=lambda c: B.fp8_temp_bytes(c, per_thread=False),
     note=("sageattn on sm120 (and sm121 on main after the tag): sageattn_qk_int8_pv_fp8_cuda("
           "qk_quant_gran='per_warp', pv_accum_dtype='fp32+fp16') (core.py:153)."),
 ))

@@ -145,7 +145,7 @@ def test_graph_breaks_without_custom_op_run_comfys_function(monkeypatch, caplog)
 
 def test_opaque_op_registers_once_per_process():
     path = os.path.join(os.path.dirname(opaque_op.__file__), "opaque_op.py")
-    spec = importlib.util.spec_from_file_location("safesage_second_copy_opaque_op", path)
+    spec = importlib.util.spec_from_file_location("safe_ops.attention.second_copy_of_opaque_op", path)  # in its package
     copy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copy)                 # would raise if it registered safesage::attention again
     assert copy.OP is opaque_op.OP
