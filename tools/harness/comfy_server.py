@@ -29,7 +29,7 @@ try:
 except ImportError:  # reported as the skip reason by comfy_path_problem()
     requests = None
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]        # tools/harness/comfy_server.py -> the repository
 TEST_NODES = REPO / "tests" / "comfy" / "test_nodes"     # loaded beside the pack
 PACK_DIR_NAME = "ComfyUI-SafeSage"
 TEST_NODES_DIR_NAME = "safesage_test_nodes"
