@@ -1,11 +1,14 @@
-"""Timing and profiling helpers shared by the GPU benches (bench/gpu_*.py), and the sm_120 dispatch
-emulation used by bench/compiler_probe.py and bench/repro (its probe pack loads this file by path
-inside a ComfyUI server)."""
+"""Timing and profiling helpers shared by the GPU benches (bench/gpu_*.py), what a bench JSON records
+about its run (env_info), and the sm_120 dispatch emulation used by bench/compiler_probe.py and
+bench/repro (its probe pack imports it inside a ComfyUI server, the repository on PYTHONPATH)."""
 from __future__ import annotations
 
+import platform
 import time
 
 import torch
+
+from bench.cmdline import command
 
 
 def time_ms(fns: dict, reps: int, warm: bool = True, queued_cycles: int = 0) -> dict:
@@ -86,3 +89,20 @@ def emulated_runtime(arch: str, rtm=None, real=None):
     return dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
                                sage_error=None if real.sage_version else real.sage_error)
 
+
+
+def env_info(module: str) -> dict:
+    """What a bench JSON records about its run: the command (``python3 -m bench.<module> ...``), torch,
+    CUDA, Python, the GPU and its arch, the time, and the kernel packages' versions."""
+    import importlib.metadata as md
+    info = {"command": command(module),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "arch": ("sm_%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
+            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for pkg in ("sageattention", "comfy-kitchen", "triton"):
+        try:
+            info[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            info[pkg] = None
+    return info

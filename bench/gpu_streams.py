@@ -29,13 +29,12 @@ import contextlib
 import dataclasses
 import json
 import os
-import platform
 import sys
 import tempfile
-import time
 
 import torch
 
+from bench import benchutil
 from safe_ops.attention import executor, streams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,18 +78,7 @@ def arm(name: str):
 
 
 def env_info() -> dict:
-    import importlib.metadata as md
-    info = {"command": " ".join(["python3", "-m", "bench.gpu_streams"] + sys.argv[1:]),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "arch": ("sm_%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    for pkg in ("sageattention", "comfy-kitchen", "triton"):
-        try:
-            info[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            info[pkg] = None
-    return info
+    return benchutil.env_info("gpu_streams")
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -3,13 +3,11 @@ measure, a guarded SafeAttention, result recording."""
 from __future__ import annotations
 
 import json
-import platform
-import time
 import traceback
 
 import torch
 
-from bench.cmdline import command
+from bench import benchutil
 
 HEADS, D = 56, 128
 ROWS = 1024
@@ -18,17 +16,7 @@ SM120_KV_RULE = 150_000     # families.sage2.FP8_SM120_MAX_KV_LEN: the rule kv_c
 
 
 def env_info() -> dict:
-    import importlib.metadata as md
-    info = {"command": command("gpu_kvchunks"),
-            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "arch": ("sm_%d%d" % torch.cuda.get_device_capability()) if torch.cuda.is_available() else None,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    for pkg in ("sageattention", "comfy-kitchen", "triton"):
-        try:
-            info[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            info[pkg] = None
+    info = benchutil.env_info("gpu_kvchunks")
     try:
         import sageattention
         info["sageattention_file"] = sageattention.__file__
