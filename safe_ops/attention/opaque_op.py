@@ -14,12 +14,12 @@ is not traced). What a call carries besides (e.g. ``transformer_options`` other 
 index) does not reach the body: a call the body hands to ComfyUI's function gets the tensors,
 ``heads``, the reshape flags, ``scale``, ``enable_gqa``, ``attn_precision``,
 ``low_precision_attention`` and the block index. Masked calls, full-precision calls and calls
-of other forms never come here (attention_context.py passes them to ComfyUI's function traced).
+of other forms never come here (special_calls.py passes them to ComfyUI's function traced).
 
 Registered once per process (two copies of this module, e.g. the pack loaded under two names,
 share one registry and one op, kept in ``sys.modules[STATE_MODULE]``). On a torch without
 ``torch.library.custom_op`` :data:`OP` is None and SafeSage hands calls under torch.compile to
-ComfyUI's function (attention_context.py says so once).
+ComfyUI's function (special_calls.py says so once).
 """
 from __future__ import annotations
 

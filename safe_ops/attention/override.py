@@ -14,7 +14,6 @@ except that an unguarded sage / comfy-kitchen function is replaced by ComfyUI's 
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import Any, Callable
@@ -104,9 +103,9 @@ class SafeAttention(PlanChoice, ContextCalls):
     # --------------------------------------------------------------- calling
     @contain.boundary
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
-        # torch.compile, CUDA-graph capture, inside another SafeSage: attention_context.py
+        # torch.compile, CUDA-graph capture, inside another SafeSage: special_calls.py
         func = unwrap_attn(func)
-        if compiling():                 # traced by dynamo: nothing else first (attention_context.py)
+        if compiling():                 # traced by dynamo: nothing else first (special_calls.py)
             return self._compiled_call(func, args, kwargs)
         try:                            # the containment boundary (contain.py)
             if special_context(kwargs):     # CUDA-graph capture, or inside another SafeSage
@@ -153,7 +152,15 @@ class SafeAttention(PlanChoice, ContextCalls):
         except Exception:  # noqa: BLE001 - ComfyUI's func, as ComfyUI hands it
             f = func
         if self.previous is not None and self.previous_kind is None:
-            return functools.partial(self.previous, f)
+            previous = self.previous
+
+            def run_previous(*args, **kw):       # as _run_comfy: a SafeSage below it passes through
+                token = INSIDE.set(True)
+                try:
+                    return previous(f, *args, **kw)
+                finally:
+                    INSIDE.reset(token)
+            return run_previous
         try:
             f = comfy_function(f) or f
         except Exception:  # noqa: BLE001 - what ComfyUI itself would run
@@ -187,11 +194,10 @@ class SafeAttention(PlanChoice, ContextCalls):
             hit = self._remember(self._comfy_fns, id(func), (func, comfy_function(func)))  # bounded
         return hit[1]
 
-
     def _run_comfy(self, func: Callable, args: tuple, kwargs: dict, n: Normalised | None) -> Any:
         """A call no guarded kernel takes: the chained override, else what ComfyUI would run."""
         if self.previous is not None and not self._previous_unsafe(n, func):
-            token = INSIDE.set(True)            # a SafeSage below it passes through (attention_context.py)
+            token = INSIDE.set(True)            # a SafeSage below it passes through (special_calls.py)
             try:
                 return contain.run_comfy(self.previous, func, *args, **kwargs)
             finally:

@@ -117,3 +117,20 @@ def test_nested_override_under_compile():
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
     assert not fake_sage.launches
     torch.testing.assert_close(compiled, real(x, x, x, 4), rtol=1e-6, atol=1e-6)
+
+
+def test_nested_override_a_contained_fallback_still_tells_the_inner_one(monkeypatch):
+    """#2's own code fails (contained): the fallback runs the chained override P, and #1 below it
+    still passes through -- no fake sage launch #2 never chose."""
+    ss2, fake_sage, seen = _chain()
+
+    def bug(*a, **k):
+        raise RuntimeError("a bug in SafeSage #2")
+
+    monkeypatch.setattr(ss2, "_call", bug)
+    comfy = ComfyFunc()
+    q, k, v = h3_like(100)
+    out = ss2(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+    assert run_stats.STATS["internal_errors"] == 1 and len(seen) == 1
+    assert not fake_sage.launches and run_stats.STATS["nested_calls"] == 1
