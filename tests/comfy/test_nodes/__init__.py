@@ -106,8 +106,9 @@ class SafeSageTestChainingOverride:
             on_prepare = None
         if on_prepare is not None and hasattr(m, "add_callback_with_key"):
             m.add_callback_with_key(on_prepare, "safesage_test_chaining_" + name,
-                                    lambda mp, timestep, model_options: _install_chaining_override(
-                                        installed, name, model_options["transformer_options"]))
+                                    lambda mp, timestep, model_options=None: _install_chaining_override(
+                                        installed, name, (model_options if model_options is not None
+                                                          else mp.model_options)["transformer_options"]))
         return (m,)
 
 
