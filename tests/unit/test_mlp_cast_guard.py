@@ -157,18 +157,23 @@ def stats():
     return s
 
 
+def _two_offload_streams(monkeypatch):
+    """ComfyUI's classic offload on the CPU: its own get_offload_stream / get_cast_buffer over two
+    stand-in streams (one cast buffer per stream, handed out in turn), no cudaMallocAsync."""
+    monkeypatch.setattr(comfy.cli_args.args, "cuda_malloc", False)
+    monkeypatch.setattr(mm, "NUM_STREAMS", 2)
+    monkeypatch.setattr(mm, "STREAMS", {torch.device("cpu"): [_Stream(), _Stream()]})
+    monkeypatch.setattr(mm, "stream_counters", {})
+    monkeypatch.setattr(mm, "STREAM_CAST_BUFFERS", {})
+    monkeypatch.setattr(mm, "LARGEST_CASTED_WEIGHT", (None, 0))
+
+
 @pytest.fixture(params=["two_streams", "one_buffer"])
 def offload(request, monkeypatch):
     """ComfyUI's classic offload on the CPU. two_streams: ComfyUI's own get_offload_stream and
     get_cast_buffer over two stand-in streams (one cast buffer per stream, handed out in turn);
     one_buffer: get_cast_buffer hands every cast the same buffer."""
-    monkeypatch.setattr(comfy.cli_args.args, "cuda_malloc", False)
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(mm, "NUM_STREAMS", 2)
-    monkeypatch.setattr(mm, "STREAMS", {cpu: [_Stream(), _Stream()]})
-    monkeypatch.setattr(mm, "stream_counters", {})
-    monkeypatch.setattr(mm, "STREAM_CAST_BUFFERS", {})
-    monkeypatch.setattr(mm, "LARGEST_CASTED_WEIGHT", (None, 0))
+    _two_offload_streams(monkeypatch)
     if request.param == "one_buffer":
         shared = torch.empty(1 << 16, dtype=torch.int8)
         monkeypatch.setattr(mm, "get_cast_buffer", lambda stream, device, size, ref: shared)
@@ -196,12 +201,7 @@ def test_a_third_cast_on_a_memoised_buffer_gives_the_memo_back_first(monkeypatch
 def test_without_a_reused_buffer_the_memo_holds(monkeypatch, stats):
     """Two offload streams, fc1 and fc2 only: each has its own stream's buffer, nothing is
     dropped -- the guard is not a blanket 'no memo under offload'."""
-    monkeypatch.setattr(comfy.cli_args.args, "cuda_malloc", False)
-    monkeypatch.setattr(mm, "NUM_STREAMS", 2)
-    monkeypatch.setattr(mm, "STREAMS", {torch.device("cpu"): [_Stream(), _Stream()]})
-    monkeypatch.setattr(mm, "stream_counters", {})
-    monkeypatch.setattr(mm, "STREAM_CAST_BUFFERS", {})
-    monkeypatch.setattr(mm, "LARGEST_CASTED_WEIGHT", (None, 0))
+    _two_offload_streams(monkeypatch)
     m, x = plain_mlp(), _x(200)
     led = Ledger(monkeypatch)
     want = _comfy_per_chunk(m, x, 50)
@@ -248,12 +248,7 @@ class Boom(RuntimeError):
 def test_a_fault_in_the_memo_runs_comfys_cast(monkeypatch, stats, caplog, internal):
     """An error in the memo's own code: that call runs ComfyUI's own cast / uncast, the memo is
     dropped (its deferred uncasts run), counted in the MLP stats and logged once."""
-    monkeypatch.setattr(comfy.cli_args.args, "cuda_malloc", False)
-    monkeypatch.setattr(mm, "NUM_STREAMS", 2)
-    monkeypatch.setattr(mm, "STREAMS", {torch.device("cpu"): [_Stream(), _Stream()]})
-    monkeypatch.setattr(mm, "stream_counters", {})
-    monkeypatch.setattr(mm, "STREAM_CAST_BUFFERS", {})
-    monkeypatch.setattr(mm, "LARGEST_CASTED_WEIGHT", (None, 0))
+    _two_offload_streams(monkeypatch)
     m, x = side_mlp(), _x(200)
     led = Ledger(monkeypatch)
     want = _comfy_per_chunk(m, x, 50)
