@@ -10,7 +10,7 @@ call SafeSage makes into ComfyUI (its attention function, a chained override, it
 per chunk) goes through :func:`run_comfy`, which marks such an exception as not SafeSage's. A
 sticky CUDA error passes through too: nothing can be recomputed after it.
 
-This module and report.py are the boundary's own code (the fault-injection suite,
+This module and ui/run_stats.py are the boundary's own code (the fault-injection suite,
 tests/comfy/test_fault_injection.py, raises in every other function of safe_ops/ and nodes/
 that runs during a prompt; functions marked with :func:`boundary` are excepted as well).
 """

@@ -1,7 +1,7 @@
 """Runs a Plan: the launches, the log-sum-exp merge of key chunks, the hop to the legacy stream.
 
 Knows nothing of choice: :class:`Executor` is handed a plan (planner.py) and the normalised
-call (comfy_call.py) and executes it with the kernel adapters (kernels.py).
+call (call_forms.py) and executes it with the kernel adapters (families/).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def comfy_attention_choice() -> str | None:
     """What ComfyUI itself was configured to run, from its flags if ComfyUI is loaded
     (``--use-sage-attention``, ``--use-ck-attention``): "sage", "ck" (comfy-kitchen int8) or None
     (PyTorch/other). Per call, the function ComfyUI hands the override says it instead
-    (comfy_call.unguarded_kind)."""
+    (comfy_functions.unguarded_kind)."""
     mm = sys.modules.get("comfy.model_management")
     fn = getattr(mm, "sage_attention_enabled", None)
     try:

@@ -10,7 +10,7 @@ when its plan says so; every other call -- SDPA plans, masks, calls it cannot re
 after a failure -- runs exactly what ComfyUI would have run, with the caller's arguments:
 the override that was on the model before SafeSage (``previous``, chained), else ``func`` --
 except that an unguarded sage / comfy-kitchen function is replaced by ComfyUI's own
-``attention_pytorch`` (comfy_call.comfy_function).
+``attention_pytorch`` (comfy_functions.comfy_function).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """From a call to a Plan that is inside every envelope and inside the memory budget.
 
-A :class:`Plan` is printable data. Executing it is attention.py's job. The
+A :class:`Plan` is printable data. Executing it is executor.py's job. The
 planner is a pure function of (call, envelope, budget): it enumerates the
 transformations that keep results identical to an in-envelope run --
 

@@ -50,7 +50,7 @@ class PlanChoice:
         ``comfy_wants_sage``: whether ComfyUI itself runs SageAttention; by default what would run
         without SafeSage: the override SafeSage chained, else the attention function ComfyUI
         handed to the override (sage, comfy-kitchen or neither), else ComfyUI's flags when
-        ``func`` is None (runtime.comfy_attention_choice).
+        ``func`` is None (kernel_choice.comfy_attention_choice).
         """
         sage = [f for f in self.kernels if f != "sdpa"]
         if self.policy.kernel == "sdpa":

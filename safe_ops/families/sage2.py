@@ -195,7 +195,7 @@ def per_thread_triton() -> tuple[tuple[IndexTerm, ...], tuple[IndexTerm, ...]]:
     terms = (
         index_terms(k, "q", "bhs", "i32", f"{PT}:35")            # input_ptrs, caller's q
         + index_terms(k, "q:alloc", "bhs", "i32", f"{PT}:36")    # q_int8 = torch.empty(q.shape) :155
-        # The caller's k is never indexed here: smooth_k (on in every SAGEATTN_CALL call, the
+        # The caller's k is never indexed here: smooth_k (on in every call the sage 2 families make, the
         # functions' default) makes per_thread_int8 quantise `k - km` (:158-159), a fresh dense
         # tensor (k_smooth below); kv_chunks' smooth_k=False calls get a dense centred copy,
         # whose strides are k_smooth's. (Until issue 11 the caller's k was listed too, which

@@ -1,7 +1,7 @@
 """What each sage 2.2.0 family allocates itself in one launch (``Envelope.temp_bytes``).
 
 Quantised q/k (int8), ``k - km`` and its mean, the fp16 V copy, the transposed/padded V and
-its fp8 copy, scales, the output -- read from the same sources as ``envelope_sage2`` (line
+its fp8 copy, scales, the output -- read from the same sources as ``sage2`` (line
 citations are SageAttention@v2.2.0 ``core.py`` / ``quant_per_thread.py`` / ``quant_per_block.py``).
 The planner counts them in a plan's peak (``Plan.kernel_temp_bytes``).
 """

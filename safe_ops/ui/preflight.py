@@ -76,7 +76,7 @@ class Verdict:
     mlp_bytes: int = 0
     mlp_unchunked_bytes: int = 0
     order: list = field(default_factory=list)          # kernel preference order of the policy
-    choice: str = ""                                   # runtime.explain_auto's line for it
+    choice: str = ""                                   # kernel_choice.explain_auto's line for it
 
 
 def arch_name(arch) -> str:

@@ -39,7 +39,7 @@ def limits_lines(rt, policy, comfy_wants_sage: bool | None = None) -> list[str]:
 
 
 def process_lines(snap: dict, show: int = 3) -> list[str]:
-    """Lines for the SafeSage Attention node's status from ``report.snapshot()``: kernel families
+    """Lines for the SafeSage Attention node's status from ``run_stats.snapshot()``: kernel families
     switched off in this process (off until ComfyUI restarts) and call classes whose kernel failed
     the first-call check (ComfyUI's own attention ran them; a new SafeSage node checks them again)."""
     out = []

@@ -6,7 +6,7 @@ ComfyUI runs each H3 MLP over all S tokens at once (``comfy/ldm/minimax/model.py
 step is row independent, so :func:`h3_mlp_forward` runs ComfyUI's own forward (whatever this
 ComfyUI's ``MLP.forward`` is) on token chunks and writes each chunk's result into one ``[S,
 hidden]`` output. Each Linear's weight is still cast once per MLP call, not once per chunk:
-mlp_comfy.cast_once memoises ComfyUI's own cast for the call and runs ComfyUI's own uncast
+cast_memo.cast_once memoises ComfyUI's own cast for the call and runs ComfyUI's own uncast
 after the last chunk.
 
 Nothing is copied from ComfyUI, so whatever its layers do (manual cast, fp8 / int8 / NVFP4
@@ -41,7 +41,7 @@ log = logging.getLogger("SafeSage.mlp")
 # ---------------------------------------------------------------------------------------
 # statistics
 # ---------------------------------------------------------------------------------------
-# the MLP's counters, a section of the one store (report.snapshot()["mlp"])
+# the MLP's counters, a section of the one store (run_stats.snapshot()["mlp"])
 MLP_COUNTERS = (
     "calls",            # patched MLP forwards entered
     "chunked_calls",    # ... that ran chunked
@@ -158,7 +158,7 @@ def _unpatched(module, x):
 def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any = "auto",
                    stats: run_stats.Section = MLP_STATS, budget_bytes: int | None = None) -> torch.Tensor:
     """Replacement for an H3 ``MLP.forward``: ComfyUI's own forward per token chunk, each Linear
-    cast once per call (mlp_comfy.cast_once); ComfyUI's unchunked forward where chunking is not
+    cast once per call (cast_memo.cast_once); ComfyUI's unchunked forward where chunking is not
     needed or could change the numbers (counted, logged once per reason)."""
     stats.bump("calls")
     S = x.numel() // x.shape[-1] if x.shape[-1] else 0

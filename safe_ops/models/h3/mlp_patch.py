@@ -67,7 +67,7 @@ def _diffusion_model(model_patcher) -> Any:
 
 def install_h3_mlp_patches(model_patcher, chunk_setting: Any = "auto") -> dict:
     """Object-patch every H3 MLP forward of ``model_patcher`` with the chunked forward, and wrap
-    ComfyUI's cast once (mlp_comfy.install) so that each Linear is cast once per chunked call.
+    ComfyUI's cast once (cast_memo.install) so that each Linear is cast once per chunked call.
 
     Returns ``{"patched": n, "skipped": reason or None, "conflicts": [...], "removed": n,
     "cast_once": bool}``.
