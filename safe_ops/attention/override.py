@@ -124,11 +124,7 @@ class SafeAttention(PlanChoice, ContextCalls):
         except UnsupportedCall as e:
             run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
             return self._run_comfy(func, args, kwargs, None)
-        try:
-            out = self.attend(n, func)
-        except Exception as e:          # noqa: BLE001 - see _internal_error
-            out = self._internal_error(e, n)
-            n.prepared = None
+        out = self.attend(n, func)      # an error of SafeSage's own here: the boundary (__call__)
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
         return n.finish(out)
@@ -166,21 +162,6 @@ class SafeAttention(PlanChoice, ContextCalls):
         except Exception:  # noqa: BLE001 - what ComfyUI itself would run
             pass
         return f
-
-    def _internal_error(self, e: Exception, n: Normalised) -> None:
-        """An error in SafeSage's own choosing or checking (a bug, or an environment it did not
-        foresee) must not fail the prompt: this call runs what ComfyUI would run (counted, logged
-        once with its traceback). A CUDA error is sticky and asynchronous: nothing can be
-        recomputed after it, so it is raised."""
-        if is_cuda_error(e):
-            raise e
-        run_stats.count("internal_errors")
-        shape = f"q{tuple(n.q.shape)} k{tuple(n.k.shape)}"
-        if run_stats.once(("internal", type(e).__name__, str(e)[:120]), logging.DEBUG, "internal error"):
-            log.error("SafeSage: internal error on %s (please report it, with this traceback); this call "
-                      "runs ComfyUI's own attention", shape, exc_info=e)
-        run_stats.fallback(f"SafeSage internal error: {type(e).__name__}: {e}", shape)
-        return None
 
     def _layer_function(self, kwargs: dict, func: Callable) -> Callable:
         to = kwargs.get("transformer_options") or {}
