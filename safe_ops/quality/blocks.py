@@ -1,0 +1,54 @@
+"""Which block an attention call belongs to: ComfyUI's ``transformer_options["block_index"]``.
+
+Many ComfyUI models set ``block_index`` themselves while a block runs (Flux, Wan, ...); MiniMax H3
+does not, but it offers every DiT block to ``patches_replace["dit"][("double_block", i)]``
+(comfy/ldm/minimax/model.py), ComfyUI's own per-block hook (``ModelPatcher.set_model_patch_replace``).
+:func:`install_block_index` puts one there for each block that sets ``block_index = i`` on the
+block's ``transformer_options`` (as Flux does in its own loop) and runs what was there before --
+another pack's replacement, chained -- else the original block. A model with neither gets the n-th
+attention call of the forward (guard.py). The patch is plain Python with no state: traced by
+torch.compile without a graph break.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+PATCH_NAME = "dit"
+BLOCK_NAME = "double_block"
+
+
+class BlockIndex:
+    """``patches_replace["dit"][("double_block", i)]``: sets ``block_index`` and runs the block
+    (or the replacement that was there before, chained)."""
+
+    _safesage_block_index = True
+
+    def __init__(self, index: int, previous: Callable | None):
+        self.index = index
+        self.previous = previous
+
+    def __call__(self, args: dict, extra: dict) -> Any:
+        to = args.get("transformer_options")
+        if isinstance(to, dict):
+            to["block_index"] = self.index
+        if self.previous is not None:
+            return self.previous(args, extra)
+        return extra["original_block"](args)
+
+
+def install_block_index(model_patcher: Any, diffusion_model: Any) -> int:
+    """One :class:`BlockIndex` per block of a MiniMax H3 ``diffusion_model`` on ``model_patcher``
+    (a clone), chained with any replacement already there (an earlier SafeSage's is replaced).
+    Returns how many were installed (0 for other models or a ComfyUI without the hook)."""
+    from ..models.h3.dims import is_h3_model
+    blocks = getattr(diffusion_model, "blocks", None)
+    if not is_h3_model(diffusion_model) or blocks is None or not hasattr(model_patcher, "set_model_patch_replace"):
+        return 0
+    to = model_patcher.model_options.get("transformer_options", {})
+    existing = to.get("patches_replace", {}).get(PATCH_NAME, {})
+    for i in range(len(blocks)):
+        prev = existing.get((BLOCK_NAME, i))
+        while getattr(prev, "_safesage_block_index", False):
+            prev = prev.previous
+        model_patcher.set_model_patch_replace(BlockIndex(i, prev), PATCH_NAME, BLOCK_NAME, i)
+    return len(blocks)

@@ -1,0 +1,137 @@
+"""The quality target and the choice of kernel family per block (pure functions, no torch).
+
+``quality`` on the node:
+
+* ``faults only`` -- today's guard: envelopes and the first-call check (0.05-0.12 rel. L2), no
+  per-block measurement.
+* ``balanced`` (default) -- a block's target is :data:`BALANCED_FACTOR` x the median error of the
+  same kernel family over the run's blocks of the same class of call. Each family's own benign error
+  differs (sage 2's fp8 PV ~0.039, its fp16 PV ~0.011, comfy-kitchen ~0.017 rel. L2 at H3's shape),
+  so a relative target keeps every block at its family's usual error on sage and moves the blocks
+  whose error stands out (H3's last blocks, whose keys concentrate signal in a few channels). The
+  factor comes from measurement: bench/results/quality_guard_h200.json (docs/MEASURED.md) and
+  tests/unit/test_quality_targets.py, which holds it between the measured benign spread and the
+  outlier blocks' ratios.
+* ``strict`` -- the balanced target, and never above :data:`STRICT_ERROR` (rel. L2 against
+  ComfyUI's own attention): fp8-PV sage blocks move to a kernel under it, or to ComfyUI's own.
+
+A block over its target moves to the first family of the preference order (fastest first, for
+this GPU) whose error on the same rows is under it; when none is, to ComfyUI's own attention
+(the reference: under every target).
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+QUALITY = ("faults only", "balanced", "strict")
+DEFAULT_QUALITY = "balanced"
+BALANCED_FACTOR = 1.10
+STRICT_ERROR = 0.02
+COMFY = "sdpa"          # ComfyUI's own attention (the family name SafeSage gives it)
+
+
+@dataclass
+class BlockErrors:
+    """What step 1 measured on one (block, class of call)."""
+    block: int
+    klass: tuple                       # the class of call (without the family)
+    planned: str                       # the family the plan ran
+    error: float | None                # its error on the sampled rows (None: inconclusive)
+    candidates: dict = field(default_factory=dict)   # family -> error on the same rows (None: could not run)
+
+
+@dataclass
+class Choice:
+    block: int
+    klass: tuple
+    family: str                        # what runs from step 2 on
+    error: float | None                # its measured error
+    planned: str
+    planned_error: float | None
+    target: float | None
+    why: str
+
+    @property
+    def moved(self) -> bool:
+        return self.family != self.planned
+
+
+def target_for(quality: str, median: float | None) -> float | None:
+    """A block's target given its family's median error over the run's blocks of its class."""
+    if quality == "faults only" or median is None or not math.isfinite(median):
+        return None
+    t = BALANCED_FACTOR * median
+    if quality == "strict":
+        t = min(t, STRICT_ERROR)
+    return t
+
+
+def decide(measured: list[BlockErrors], quality: str, order: list[str]) -> list[Choice]:
+    """One choice per measured (block, class). ``order``: the families to move to, fastest first
+    (ComfyUI's own is the last resort whether listed or not)."""
+    medians: dict = {}
+    for (klass, fam) in {(m.klass, m.planned) for m in measured}:
+        errs = [m.error for m in measured if m.klass == klass and m.planned == fam
+                and m.error is not None and math.isfinite(m.error)]
+        medians[(klass, fam)] = statistics.median(errs) if errs else None
+    out = []
+    for m in measured:
+        target = target_for(quality, medians[(m.klass, m.planned)])
+        if m.error is None or target is None:
+            why = "inconclusive (kept as planned)" if m.error is None else "no target"
+            out.append(Choice(m.block, m.klass, m.planned, m.error, m.planned, m.error, target, why))
+            continue
+        if m.error <= target:
+            out.append(Choice(m.block, m.klass, m.planned, m.error, m.planned, m.error, target,
+                              f"{m.planned} {m.error:.3f} within target {target:.3f}"))
+            continue
+        over = f"{m.planned} {m.error:.3f} over target {target:.3f}"
+        for fam in order:
+            if fam == m.planned or fam == COMFY:
+                continue
+            e = m.candidates.get(fam)
+            if e is not None and math.isfinite(e) and e <= target:
+                out.append(Choice(m.block, m.klass, fam, e, m.planned, m.error, target, over))
+                break
+        else:
+            tried = ", ".join(f"{f} {e:.3f}" if e is not None else f"{f} could not run"
+                              for f, e in m.candidates.items())
+            out.append(Choice(m.block, m.klass, COMFY, None, m.planned, m.error, target,
+                              over + (f"; candidates {tried} not under it" if tried else "; no other candidate")))
+    return out
+
+
+def summary_lines(choices: list[Choice], names: dict | None = None) -> list[str]:
+    """Runs of consecutive blocks with the same outcome, one line each, e.g.
+    ``blocks 41-49: ck_int8 -- sage2_sm89_fp8pv 0.051-0.064 over target 0.045``."""
+    names = names or {}
+    show = lambda f: names.get(f, f)          # noqa: E731
+    lines, run = [], []
+
+    def flush():
+        if not run:
+            return
+        c0, c1 = run[0], run[-1]
+        span = f"block {c0.block}" if c0.block == c1.block else f"blocks {c0.block}-{c1.block}"
+        if not c0.moved:
+            errs = [c.planned_error for c in run if c.planned_error is not None]
+            tail = (f" ({min(errs):.3f}-{max(errs):.3f}" if errs else " (inconclusive") + (
+                f", target {max(c.target for c in run if c.target is not None):.3f})"
+                if any(c.target is not None for c in run) else ")")
+            lines.append(f"{span}: {show(c0.family)}{tail}")
+        else:
+            pe = [c.planned_error for c in run]
+            tg = [c.target for c in run]
+            lines.append(f"{span}: {show(c0.family)} -- {show(c0.planned)} {min(pe):.3f}-{max(pe):.3f} over target "
+                         f"{min(tg):.3f}" + (f"-{max(tg):.3f}" if max(tg) - min(tg) >= 5e-4 else ""))
+        run.clear()
+
+    for c in sorted(choices, key=lambda c: (c.klass, c.block)):
+        if run and (c.family != run[-1].family or c.planned != run[-1].planned or c.klass != run[-1].klass
+                    or c.block != run[-1].block + 1):
+            flush()
+        run.append(c)
+    flush()
+    return lines
