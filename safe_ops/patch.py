@@ -17,6 +17,9 @@ from .facts import compiler
 from . import contain
 from .ui import run_stats
 from .attention.override import SafeAttention
+from .attention.special_calls import compiling
+from .quality import guard as quality_guard
+from .quality.blocks import install_block_index
 from .attention.comfy_functions import function_name, unguarded_kind
 from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
@@ -36,11 +39,29 @@ class SafeSageError(RuntimeError):
 
 @contain.boundary
 def _forward_wrapper(executor, *args, **kwargs):
-    """DIFFUSION_MODEL wrapper: count the diffusion-model forwards (the node's statistics)."""
+    """DIFFUSION_MODEL wrapper: count the diffusion-model forwards (the node's statistics) and tell
+    the quality guard a forward starts (which step; its one host read, quality/guard.py)."""
+    try:
+        _forward_start(args, kwargs)
+    except Exception as e:  # noqa: BLE001 - see contain.py
+        if contain.not_ours(e):
+            raise
+        contain.internal_error(e, "the quality guard's step reading", "this forward runs as planned")
     try:
         return executor(*args, **kwargs)
     finally:
         run_stats.count("forwards")
+
+
+def _forward_start(args: tuple, kwargs: dict) -> None:
+    if compiling():
+        return                       # traced: the guard reads no step here (its calls run as planned)
+    to = kwargs.get("transformer_options")
+    if not isinstance(to, dict):     # models pass it positionally at different places
+        to = next((a for a in args if isinstance(a, dict) and OVERRIDE_KEY in a), None)
+    att = to.get(OVERRIDE_KEY) if isinstance(to, dict) else None
+    if isinstance(att, SafeAttention) and att.quality.active:
+        att.quality.forward_start(to)
 
 
 @contain.boundary
@@ -51,6 +72,10 @@ def _run_wrapper(executor, *args, **kwargs):
     try:
         return executor(*args, **kwargs)
     finally:
+        try:
+            quality_guard.run_ended()        # reads what the run's last measured step left
+        except Exception as e:  # noqa: BLE001 - see contain.py
+            contain.internal_error(e, "the quality guard's run end", "its last report is not shown")
         try:
             compiler.new_run()
         except Exception as e:  # noqa: BLE001 - see contain.py
@@ -95,6 +120,24 @@ def layer_attention_functions(diffusion_model: Any) -> tuple[dict, list[str]]:
     return by_block, lines
 
 
+def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
+    """The node's status line for the quality guard."""
+    if policy.quality == "faults only":
+        head = "quality: faults only (no per-block error measurement)"
+    else:
+        order = attn.quality_order(None)
+        head = (f"quality: {policy.quality}: each block's attention error is measured at step 1 against ComfyUI's "
+                f"own attention; a block over its target moves to "
+                + (" > ".join(order[1:] + ["ComfyUI's own attention"]) if len(order) > 1 else "ComfyUI's own attention")
+                + " from step 2 (per block: /safesage/stats, quality_last_run)")
+        head += f"; blocks told apart by {'the H3 block index' if blocks else 'block_index, else call order'}"
+    if policy.probe_step:
+        head += f"; also measured (report only) at step {policy.probe_step}"
+    if policy.exact_steps:
+        head += f"; the first and last {policy.exact_steps} step(s) run ComfyUI's own attention"
+    return head
+
+
 # wrapper type (name in comfy.patcher_extension.WrappersMP) -> wrapper
 WRAPPERS = {"DIFFUSION_MODEL": _forward_wrapper, "OUTER_SAMPLE": _run_wrapper}
 
@@ -125,6 +168,9 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
                      + (f"; it runs {kind} unguarded, so calls outside that kernel's limits go to ComfyUI's "
                         "attention_pytorch instead" if kind else ""))
     lines += layer_lines
+    if attn.quality.active:
+        nb = install_block_index(m, _diffusion_model(m))
+        lines.append(_quality_line(policy, attn, nb))
 
     # Count forwards, and mark where a sampling run ends (idempotent: removed, then added under
     # a fixed key).

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 KERNELS = ("auto", "sage", "sdpa")
 MLP_CHUNKING = ("auto", "off", "tokens")
 VERIFY = ("first", "every", "off")
+QUALITY = ("faults only", "balanced", "strict")      # quality.targets.QUALITY (pinned by a test)
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,9 @@ class Policy:
     verify: str = "first"             # first call per class / every call / off
     debug_sync: bool = False          # synchronise after each guarded call (fault attribution)
     max_extra_bytes: int | None = None  # None: derive from free memory at plan time
+    quality: str = "balanced"         # per-block error target (quality/targets.py); "faults only": none
+    probe_step: int = 0               # also measure (report only) at this sampling step; 0: no
+    exact_steps: int = 0              # the first and last N steps run ComfyUI's own attention
 
     def __post_init__(self):
         if self.kernel not in KERNELS:
@@ -24,5 +28,9 @@ class Policy:
             raise ValueError(f"SafeSage: mlp_chunking must be one of {MLP_CHUNKING}, got {self.mlp_chunking!r}")
         if self.verify not in VERIFY:
             raise ValueError(f"SafeSage: verify must be one of {VERIFY}, got {self.verify!r}")
+        if self.quality not in QUALITY:
+            raise ValueError(f"SafeSage: quality must be one of {QUALITY}, got {self.quality!r}")
+        if int(self.probe_step) < 0 or int(self.exact_steps) < 0:
+            raise ValueError("SafeSage: quality_probe_step and exact_steps must be >= 0")
         if int(self.mlp_chunk_tokens) < 1:
             raise ValueError("SafeSage: mlp_chunk_tokens must be >= 1")

@@ -38,6 +38,8 @@ class Normalised:
     skip_output_reshape: bool
     low_precision_ok: bool = True   # False: the model asked for full-precision attention
     prepared: Any = None            # what attention.SafeAttention worked out for this call signature
+    block: int | None = None        # the block it belongs to, while the quality guard runs (quality/)
+    run: Any = None                 # the quality guard's state of this sampling run (quality.guard.RunState)
 
     def finish(self, out_hnd: torch.Tensor) -> torch.Tensor:
         """Shape the [B,H,Sq,D] result the way ComfyUI's attention functions return it."""

@@ -38,6 +38,8 @@ from .planner import Plan
 from ..policy import Policy
 from .verification import Verifier, compare
 from ..facts.devices import Runtime, runtime
+from ..quality import guard as quality_guard
+from ..quality.guard import QualityGuard
 
 log = logging.getLogger("SafeSage")
 
@@ -58,7 +60,7 @@ class SafeAttention(PlanChoice, ContextCalls):
     def __init__(self, policy: Policy = Policy(), kernels: list[Kernel] | None = None,
                  verifier: Verifier | None = None,
                  rt: Runtime | None = None, previous: Callable | None = None,
-                 layer_functions: dict | None = None):
+                 layer_functions: dict | None = None, quality: QualityGuard | None = None):
         self.policy = policy
         self.rt = rt or runtime()
         self.verifier = verifier or Verifier(policy.verify)
@@ -82,6 +84,8 @@ class SafeAttention(PlanChoice, ContextCalls):
         self._cache_lock = threading.Lock()          # held while a trimmed cache changes (_remember)
         self._budget_reader = BudgetReader()
         self.executor = Executor(self.kernels, policy.debug_sync)
+        # per-block error targets over a sampling run (quality/); one per node, shared by its GPUs
+        self.quality = quality or QualityGuard(policy.quality, policy.probe_step, policy.exact_steps)
         self._init_context()
 
     @property
@@ -124,6 +128,8 @@ class SafeAttention(PlanChoice, ContextCalls):
         except UnsupportedCall as e:
             run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
             return self._run_comfy(func, args, kwargs, None)
+        if self.quality.active:
+            self._quality_context(n, kwargs)
         out = self.attend(n, func)      # an error of SafeSage's own here: the boundary (__call__)
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
@@ -235,6 +241,11 @@ class SafeAttention(PlanChoice, ContextCalls):
             p = self._remember(self._prepared, key, self._prepare(n, func))   # the newest signatures
         n.prepared = p
         plan = self._within_budget(p, q.device)
+        st = n.run
+        if st is not None and st.mode in (quality_guard.CHOSEN, quality_guard.EXACT):
+            plan = self._quality_plan(p, plan, st, n)
+            if plan is None:
+                return None             # ComfyUI's own attention, as the quality guard chose
         run_stats.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
         if plan.kind == "sdpa":
             if plan.reasons:       # not a guarded kernel because none could run it
@@ -260,7 +271,34 @@ class SafeAttention(PlanChoice, ContextCalls):
             ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
         if self.verifier.needs_probe(ck):
             out = self._verify(p, plan, ck, n, out)
+        if st is not None and out is not None and st.mode in (quality_guard.PROBE, quality_guard.REPORT):
+            self.quality.measure(self, st, n.block, p.klass, n, func, plan, out)
         return out
+
+    def _quality_context(self, n: Normalised, kwargs: dict) -> None:
+        """The quality guard's run and the call's block (quality/guard.py), when a forward of this
+        run has started; else said once (no step known: the guard is off for this call)."""
+        st = self.quality.state()
+        if st is None:
+            run_stats.once(("quality-no-run",), logging.INFO,
+                           "SafeSage: the quality guard saw no sampling step start (SafeSage's forward wrapper did "
+                           "not run for this model, e.g. another attention override was put after SafeSage): "
+                           "attention calls run as planned, with the fault checks only")
+            return
+        n.run = st
+        n.block = self.quality.block_of(st, kwargs.get("transformer_options"))
+
+    def _quality_plan(self, p: Prepared, plan: Plan, st, n: Normalised) -> Plan | None:
+        """The plan for this call after the quality guard's choice: ComfyUI's own (None) at an exact
+        step, or for a block moved there; the moved-to family's plan; else ``plan``."""
+        if st.mode == quality_guard.EXACT:
+            quality_guard.STATS.bump("exact_calls")
+            return None
+        fam = st.choices.get((n.block, p.klass))
+        if fam is None or fam == plan.kernel:
+            return plan
+        quality_guard.STATS.bump("moved_calls")
+        return self._family_plan(p, fam, n.q.device) if fam != "sdpa" else None
 
     @staticmethod
     def _call_key(n: Normalised, func: Callable | None) -> tuple:
@@ -288,7 +326,7 @@ class SafeAttention(PlanChoice, ContextCalls):
             guard = None
         else:
             guard = SafeAttention(self.policy, verifier=self.verifier, rt=rt, previous=self.previous,
-                                  layer_functions=self.layer_functions)
+                                  layer_functions=self.layer_functions, quality=self.quality)
             guard._guards[device.index] = guard
             run_stats.once(("other-gpu", device.index), logging.INFO, "SafeSage: %s is %s (%s); its calls are "
                         "guarded with that GPU's kernels", device, rt.device_name, rt.summary())

@@ -19,6 +19,7 @@ from ..families.registry import family_kind
 from ..ui import run_stats
 from .call_forms import Normalised, describe_tensor, dtype_name
 from .comfy_functions import unguarded_kind
+from .errors import is_cuda_error, is_oom
 from .kernel_choice import auto_order, comfy_attention_choice, pricing_tflops
 from .planner import Plan, choose
 from .verification import class_key
@@ -39,6 +40,8 @@ class Prepared:
     tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
     run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
     previous_viol: list | None = None  # the chained override's kernel's violations by this call
+    klass: tuple = ()                 # the class of call the quality guard keys its choices by
+    by_family: dict = field(default_factory=dict)  # quality guard: (family, budget or run) -> plan
 
 
 class PlanChoice:
@@ -142,14 +145,63 @@ class PlanChoice:
         run_stats.remember_plan(key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
         envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
+        klass = (self.rt.arch_name,) + class_key("", "", call.dtype, call.head_dim, call.layout, call.heads,
+                                                 call.kv_heads, call.q_len, call.kv_len)[2:]
         return Prepared(plan, call, key, f"plan:{plan.kind}", envelopes,
-                        {} if budget is None else {budget: plan}, {}, tflops)
+                        {} if budget is None else {budget: plan}, {}, tflops, klass=klass)
 
     def _class_key(self, family: str, call: AttnCall) -> tuple:
         """Verdicts are per class of *call* (the caller's layout), whatever plan ran it, on this
         GPU arch with this kernel build."""
         return class_key(family, self._sites[family], call.dtype, call.head_dim, call.layout, call.heads,
                          call.kv_heads, call.q_len, call.kv_len)
+
+
+    # ------------------------------------------------------------------ the quality guard's families
+    def quality_order(self, func: Callable | None) -> list[str]:
+        """The families a block over its quality target may move to, fastest first: the
+        candidates ahead of ComfyUI's own attention in this policy's order (quality/targets.py)."""
+        cand = [f for f in self.candidates(func) if f in self.kernels]
+        return cand[:cand.index("sdpa")] if "sdpa" in cand else cand
+
+    def _probe_budget(self, device: torch.device) -> int | None:
+        return self._budget(device)
+
+    def _family_plan(self, p: "Prepared", family: str, device: torch.device) -> Plan | None:
+        """The plan of ``family`` alone for this signature (a block the quality guard moved), within
+        the budget; None when that family cannot run it (ComfyUI's own runs the call)."""
+        kern = self.kernels.get(family)
+        if kern is None:
+            return None
+        slot = compiler.run_id() if compiler.enabled(device) else self._budget(device)
+        plan = p.by_family.get((family, slot))
+        if plan is None:
+            plan = choose(p.call, [kern.envelope], self._budget(device), None)
+            self._remember(p.by_family, (family, slot), plan, RUNS_KEPT)
+        return None if plan.kind == "sdpa" else plan
+
+    def _run_family_rows(self, family: str, n: Normalised, q_rows: torch.Tensor):
+        """``family`` on query rows ``q_rows`` [B,H,r,D] against all of the call's keys (the quality
+        guard's candidate measurement); None when it cannot run them (outside its limits, or it
+        raised: counted)."""
+        kern = self.kernels.get(family)
+        if kern is None:
+            return None
+        rows = Normalised(q_rows, n.k, n.v, n.heads, None, n.scale, n.caller_layout, True)
+        call = self._describe(rows)
+        plan = choose(call, [kern.envelope], self._budget(q_rows.device), None)
+        if plan.kind == "sdpa":
+            return None
+        try:
+            return self.executor.run(plan, rows)
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not a candidate
+            if is_cuda_error(e) or is_oom(e):
+                raise
+            run_stats.count("quality_candidate_errors")
+            run_stats.once(("quality-candidate", family, type(e).__name__), logging.WARNING,
+                           "SafeSage: quality guard candidate %s raised %s: %s (not a candidate for this block)",
+                           family, type(e).__name__, e)
+            return None
 
 
 def shape_key(call: AttnCall, n: Normalised) -> str:
