@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..families.envelope import TensorDesc
+from ..families.envelope import TensorDesc, byte_alignment
 
 
 def dtype_name(dt: torch.dtype) -> str:
@@ -21,9 +21,26 @@ def dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
+def base_alignment(t: torch.Tensor) -> int:
+    """Bytes ``t``'s base pointer is aligned to (at most envelope.ALIGN_CAP): what a kernel that
+    checks its base pointer sees (comfy-kitchen's int8 quantisers, #15494). A tensor without an
+    address (a fake one) counts its element offset into a storage taken as aligned."""
+    if type(t) is not torch.Tensor and _no_address(t):
+        return byte_alignment(t.storage_offset() * t.element_size())
+    return byte_alignment(t.data_ptr())
+
+
+def _no_address(t: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+        return bool(is_fake(t))
+    except Exception:  # noqa: BLE001 - a torch without it: no fake tensors to tell apart
+        return False
+
+
 def describe_tensor(t: torch.Tensor) -> TensorDesc:
-    """A tensor's shape and strides, as an envelope sees it."""
-    return TensorDesc(tuple(t.shape), tuple(t.stride()))
+    """A tensor's shape, strides and base-pointer alignment, as an envelope sees it."""
+    return TensorDesc(tuple(t.shape), tuple(t.stride()), base_alignment(t))
 
 
 @dataclass

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from ..families.envelope import AttnCall, Envelope, TensorDesc, check
+from ..families.envelope import AttnCall, Envelope, TensorDesc, byte_alignment, check
 
 # Cost model constants: bytes per microsecond an HBM copy moves (read + write
 # counted separately), and the fixed cost of one extra launch sequence.
@@ -34,10 +34,11 @@ LAUNCH_US = 25.0                  # sage launches 2-3 kernels per call
 MIN_Q_CHUNK = 1024                # below this, per-launch overhead dominates: prefer another plan
 KV_ALIGN = 128                    # key chunks are multiples of this (sage's K tiles and sm90's V pad)
 MIN_KV_CHUNK = 4096               # smaller key chunks: re-quantising q per chunk dominates
-# Rules that moving data can fix: index products (copies, groups, chunks) and key-length
-# rules (key/value chunks, only for kernels that return their LSE).
-SOFT_RULES = ("index",)
-SOFT_RULES_LSE = ("index", "length")
+# Rules that moving data can fix: index products (copies, groups, chunks), base-pointer and
+# stride alignment (a copy is a fresh, aligned allocation: comfy-kitchen's #15494 rule) and
+# key-length rules (key/value chunks, only for kernels that return their LSE).
+SOFT_RULES = ("index", "align")
+SOFT_RULES_LSE = ("index", "align", "length")
 # A copy that changes memory order vs one that keeps it. On the H200 the two repacks of H3's
 # views timed the same end to end (bench/results/attention_h200.json, other_layout_repack_ms),
 # so this only breaks the tie -- toward NHD for H3, whose [B,S,H*D] output is then a free view.
@@ -96,7 +97,8 @@ class Plan:
 
 def sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], layout: str,
               kv_len: int | None = None) -> AttnCall:
-    """The call one launch of a plan makes (worst-case group/chunk)."""
+    """The call one launch of a plan makes (worst-case group/chunk). A view's base pointer is
+    aligned as the worst launch's: launch i of a split starts ``i`` groups/chunks further in."""
     kv_len = call.kv_len if kv_len is None else kv_len
     groups = max(call.heads // max(call.kv_heads, 1), 1)
     kv_heads = max(heads // groups, 1)
@@ -106,7 +108,11 @@ def sub_call(call: AttnCall, heads: int, q_len: int, repack: tuple[str, ...], la
         shape = (src.shape[0], h, s, src.shape[3])
         if name in repack:
             return TensorDesc.contiguous(shape, layout)   # copied into the kernel's layout
-        return TensorDesc(shape, src.stride)      # a view into the caller's tensor
+        align = src.align
+        for ax, n in ((1, h), (2, s)):
+            if n < src.shape[ax]:                 # more than one launch along this axis
+                align = min(align, byte_alignment(n * src.stride[ax] * call.elt_bytes))
+        return TensorDesc(shape, src.stride, align)   # a view into the caller's tensor
 
     return replace(call, q=desc("q", heads, q_len), k=desc("k", kv_heads, kv_len),
                    v=desc("v", kv_heads, kv_len), layout=layout)

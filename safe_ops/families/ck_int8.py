@@ -45,10 +45,35 @@ the envelope).
 Unknown versions (< 0.2.29 has no ``int8_attention``; newer than 0.2.40 unread) get the
 0.2.29 rules (conservative: they only cost head groups, 1.0003x at 314,437 tokens on the
 H200, bench/results/ck239_families_h200.json).
+
+Alignment (ComfyUI #15494, #15529; rule "align", :class:`AlignRule`): ``sage_sdpa`` hands the
+caller's q/k/v (or the zero-padded copies, for a head_dim other than 64/128/256) with their own
+strides to two quantisers whose host-side checks throw ``std::runtime_error`` (a Python
+``RuntimeError``, before anything reads the tensor) -- both messages are in 0.2.40's
+``_C.abi3.so``; the conditions are those of the public sources (``quant_qk_int8.cu``
+``launch_quant_qk_per_thread_int8``, ``quant_v_int8.cu`` ``launch_quant_v_int8_kernel``, tag
+v0.2.31, unchanged in substance since v0.2.29):
+
+* q and k: ``data_ptr % (4 * element_size) == 0`` (8 bytes for fp16/bf16, 16 for fp32) and, for each
+  of the B, H, N axes, ``stride > 0 and stride % 4 == 0`` (elements) --
+  "quant_qk_per_thread_int8: Q/K base pointers and B/H/N strides must preserve 4-element alignment";
+* v: ``data_ptr % 16 == 0`` and ``stride * element_size % 16 == 0`` (bytes; a zero stride passes) --
+  "quant_v_int8: V base pointer and B/H/N strides must be 16-byte aligned".
+
+Since 0.2.31 (comfy-kitchen #112, commit 9816d22) an axis of extent 1 is exempt: torch <= 2.9
+rewrites such a stride to 1 on the way through DLPack (pytorch #83069), which is what #15494 and
+#15529 hit -- H3's ``[1, 56, S, 128]`` views (strides ``(S*21504, 128, 21504, 1)``, all aligned) arrived
+with a batch stride of 1 on torch 2.9.1 with comfy-kitchen 0.2.30. That fix is comfy-kitchen's;
+ComfyUI's PR #15518 (``.contiguous()`` in ``_comfy_kitchen_int8_inputs``) was closed unmerged and
+ComfyUI moved to 0.2.31 (#15564). The precondition itself stays in 0.2.40: a view at an element
+offset that is not a multiple of 4 (8 for v in fp16/bf16), or with such a token/head stride, still
+raises. A contiguous copy is aligned, so the planner repacks (``planner.SOFT_RULES``).
 """
 from __future__ import annotations
 
-from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, register
+from dataclasses import dataclass
+
+from .envelope import AttnCall, Envelope, IndexTerm, TensorDesc, Violation, register
 from .family import DEFAULT_TOLERANCE, KernelFamily
 from ..facts.versions import version_tuple
 
@@ -116,6 +141,50 @@ _WITHIN_HEAD = (
 )
 
 
+ALIGN_ISSUE = "#15494"
+QK_ALIGN = ("comfy-kitchen quant_qk_int8.cu launch_quant_qk_per_thread_int8, 0.2.40 _C.abi3.so: "
+            "'quant_qk_per_thread_int8: Q/K base pointers and B/H/N strides must preserve 4-element alignment'")
+V_ALIGN = ("comfy-kitchen quant_v_int8.cu launch_quant_v_int8_kernel, 0.2.40 _C.abi3.so: "
+           "'quant_v_int8: V base pointer and B/H/N strides must be 16-byte aligned'")
+
+
+@dataclass(frozen=True)
+class AlignRule:
+    """The quantisers' base-pointer and stride checks (module docstring; ComfyUI #15494).
+
+    ``size_one_exempt``: an axis of extent 1 is not checked (0.2.31+, comfy-kitchen #112). The
+    0.2.29-0.2.35 envelope checks it (0.2.29/0.2.30 do), which costs at most a copy."""
+    family: str
+    size_one_exempt: bool = True
+
+    def __call__(self, call: AttnCall) -> list[Violation]:
+        if kernel_head_dim(call.head_dim) != call.head_dim:
+            return []                    # zero-padded into fresh copies first (:218-229)
+        elt = call.elt_bytes             # the launchers: 4 for fp32, else 2 (sizeof(half))
+        out: list[Violation] = []
+        for name in ("q", "k", "v"):
+            t = getattr(call, name)
+            if name == "v":
+                base, cite, ok = 16, V_ALIGN, lambda s: s * elt % 16 == 0
+                need = "a multiple of 16 bytes"
+            else:
+                base, cite, ok = 4 * elt, QK_ALIGN, lambda s: s > 0 and s % 4 == 0
+                need = "a positive multiple of 4 elements"
+            cite = f"{ALIGN_ISSUE}; {cite}"
+            if t.align < base:
+                out.append(Violation(self.family, "align",
+                                     f"{name} base pointer aligned to {t.align} bytes, the quantiser needs {base}",
+                                     tensor=name, axis="base", value=t.align, limit=base, cite=cite))
+            for ax, axis in enumerate("bhs"):
+                if self.size_one_exempt and t.shape[ax] < 2:
+                    continue
+                if not ok(t.stride[ax]):
+                    out.append(Violation(self.family, "align",
+                                         f"{name}.{axis} stride {t.stride[ax]:,} (extent {t.shape[ax]:,}) is not {need}",
+                                         tensor=name, axis=axis, value=t.stride[ax], cite=cite))
+        return out
+
+
 def _temp_bytes(call: AttnCall) -> int:
     b, h, lq, d = call.q.shape
     hk, lk = call.kv_heads, call.kv_len
@@ -135,6 +204,7 @@ def _temp_bytes(call: AttnCall) -> int:
 
 
 def _envelope(family: str, batch_strides: bool, note: str) -> Envelope:
+    # batch_strides marks 0.2.29-0.2.35, which also hold the versions without #112's exemption
     return register(Envelope(
         family=family,
         source=f"comfy-kitchen int8_attention ({SRC}; {CK_ISSUE})",
@@ -146,6 +216,7 @@ def _envelope(family: str, batch_strides: bool, note: str) -> Envelope:
         launches_on_legacy_stream=False,     # current stream (:295)
         temp_bytes=_temp_bytes,
         returns_lse=False,                   # no LSE: no kv_chunks
+        extra_rules=(AlignRule(family, size_one_exempt=not batch_strides),),
         note=note,
     ))
 

@@ -35,13 +35,29 @@ LIMITS = {"i16": 2**15 - 1, "u16": 2**16 - 1, "i32": I32_MAX, "u32": U32_MAX, "i
 
 _AXIS_INDEX = {"b": 0, "h": 1, "s": 2, "d": 3}
 
+# Bytes: the most any envelope asks of a base pointer (comfy-kitchen's V, 16). A fresh allocation
+# (CUDA caching allocator: 512; CPU: 64) has at least this, so it is also the default.
+ALIGN_CAP = 16
+
+
+def byte_alignment(n: int, cap: int = ALIGN_CAP) -> int:
+    """The largest power of two, at most ``cap``, that divides ``n`` (an address or a byte
+    offset); ``cap`` for 0."""
+    n = abs(int(n))
+    return cap if n == 0 else min(n & -n, cap)
+
 
 # --------------------------------------------------------------------------- call
 @dataclass(frozen=True)
 class TensorDesc:
-    """A tensor as the kernel sees it, in canonical (b, h, s, d) order."""
+    """A tensor as the kernel sees it, in canonical (b, h, s, d) order.
+
+    ``align``: bytes the base pointer is aligned to (:func:`byte_alignment` of ``data_ptr()``,
+    at most :data:`ALIGN_CAP`): a view at an odd element offset into a buffer has less. The
+    default is a fresh allocation's (what :meth:`contiguous` describes)."""
     shape: tuple[int, int, int, int]
     stride: tuple[int, int, int, int]
+    align: int = ALIGN_CAP
 
     @staticmethod
     def contiguous(shape: tuple[int, int, int, int], layout: str) -> "TensorDesc":
@@ -135,7 +151,8 @@ class IndexTerm:
 class Violation:
     kernel: str
     rule: str          # "index" | "head_dim" | "dtype" | "mask" | "layout" | "padding" | "length" | "device"
-    #                    ("length" rules are on the key length only: key/value chunks can satisfy them)
+    #                    | "align" ("length" rules are on the key length only: key/value chunks can
+    #                    satisfy them; "align" rules on base pointers and strides: a copy satisfies them)
     detail: str
     tensor: str = ""
     axis: str = ""
