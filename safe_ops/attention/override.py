@@ -26,7 +26,7 @@ from ..ui import run_stats
 from .plans import PlanChoice, Prepared, shape_key
 from .special_calls import INSIDE, ContextCalls, compiling, special_context, unwrap_attn
 from ..facts.budget import BudgetReader
-from .call_forms import Normalised, UnsupportedCall, normalise
+from .call_forms import Normalised, UnsupportedCall, base_alignment, normalise
 from .comfy_functions import comfy_function, function_name, unguarded_kind
 from ..families.envelope import FAMILIES, check
 from .errors import is_build_error, is_cuda_error, is_oom
@@ -302,10 +302,12 @@ class SafeAttention(PlanChoice, ContextCalls):
 
     @staticmethod
     def _call_key(n: Normalised, func: Callable | None) -> tuple:
-        """A call signature (the key of the plan prepared for it)."""
+        """A call signature (the key of the plan prepared for it): base-pointer alignment
+        included (comfy-kitchen's #15494 rule: the same view at another offset may need a copy)."""
         q, k, v = n.q, n.k, n.v
         return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
-                n.caller_layout, n.mask is None, id(func), n.low_precision_ok)
+                n.caller_layout, n.mask is None, id(func), n.low_precision_ok,
+                base_alignment(q), base_alignment(k), base_alignment(v))
 
     def _guard_for(self, device: torch.device) -> "SafeAttention | None":
         """Who guards calls on ``device``: this SafeAttention on the GPU it was made on (whose facts

@@ -152,6 +152,16 @@ def test_describe_tensor_reads_the_base_pointer():
         assert describe_tensor(f).align == 4
 
 
+def test_call_signature_includes_the_alignment():
+    """Plans are cached per call signature: the same shape and strides at another offset is
+    another signature (a direct plan cached for an aligned call must not run a misaligned one)."""
+    def key(offset):
+        q, k, v = hnd(qkv_views(50, offset=offset))
+        return SafeAttention._call_key(normalise((q, k, v, 4), {"skip_reshape": True}), None)
+    assert key(0) == key(8)
+    assert key(0) != key(2) and key(2) != key(4)
+
+
 # ------------------------------------------------------------------ end to end (stand-in kernel)
 class KitchenStandIn:
     """comfy-kitchen int8_attention's host checks, transcribed from launch_quant_qk_per_thread_int8
@@ -221,3 +231,14 @@ def test_misaligned_views_are_copied_not_refused(kitchen):
         assert fn.launches[-1] != (q.data_ptr(), k.data_ptr(), v.data_ptr())
     assert len(fn.launches) == 2
     assert report.STATS["plan:repack"] == 2 and report.STATS["fallbacks"] == 0
+
+
+def test_a_direct_plan_is_not_reused_for_a_misaligned_call(kitchen):
+    """An aligned call, then the same shape and strides 2 elements further in: the second gets its
+    own (repack) plan, not the first's cached direct one -- which comfy-kitchen would refuse."""
+    att, fn = kitchen
+    run(att, qkv_views(96))
+    q, k, v = run(att, qkv_views(96, offset=2))
+    assert fn.launches[-1] != (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert report.STATS["plan:direct"] == 1 and report.STATS["plan:repack"] == 1
+    assert report.STATS["fallbacks"] == 0
