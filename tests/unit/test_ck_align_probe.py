@@ -1,0 +1,67 @@
+"""bench/ck_align_probe.py (ComfyUI #15494): its cases on the CPU, and every committed result of it
+(``bench/results/ck*_align_*.json``, comfy-kitchen on the GPU) held to the ck_int8 envelope."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import ck_align_probe as probe
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = sorted((REPO / "bench" / "results").glob("ck*_align_*.json"))
+
+
+@pytest.mark.parametrize("name", list(probe.CASES))
+def test_the_envelope_predicts_each_case_as_derived_from_the_launchers(name):
+    """Each case's expected outcome was derived by hand from comfy-kitchen's host checks; the
+    envelope (safe_ops/families/ck_int8.py AlignRule) must give the same, from the CPU-built views."""
+    c = probe.dry_case(name, "0.2.40")
+    assert c["predicted"] == c["expected"], c
+
+
+def test_the_cases_cover_every_outcome_and_each_tensor():
+    expected = [e for _, e in probe.CASES.values()]
+    assert {"ok", "qk", "v"} <= set(expected)
+    which = {s.get("which") for s, e in probe.CASES.values() if e != "ok"}
+    assert {"q", "k", "v"} <= which
+
+
+def test_dry_run_writes_its_command_and_every_case(tmp_path):
+    out = tmp_path / "dry.json"
+    r = subprocess.run([sys.executable, "-m", "bench.ck_align_probe", "--dry-run", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["command"].startswith("python3 -m bench.ck_align_probe --dry-run --out ")
+    assert d["dry_run"] is True and [c["name"] for c in d["cases"]] == list(probe.CASES)
+    bad = [c["name"] for c in d["cases"] if c["predicted"] != c["expected"]]
+    assert not bad
+
+
+def test_outcome_reads_kitchens_messages():
+    assert probe.outcome(None) == "ok"
+    assert probe.outcome("RuntimeError: quant_qk_per_thread_int8: Q/K base pointers and B/H/N strides "
+                         "must preserve 4-element alignment") == "qk"
+    assert probe.outcome("RuntimeError: quant_v_int8: V base pointer and B/H/N strides must be "
+                         "16-byte aligned") == "v"
+    assert probe.outcome("OverflowError: sage_sdpa: tensor strides exceed int32 range") == "other"
+
+
+@pytest.mark.skipif(not RESULTS, reason="no bench/results/ck*_align_*.json committed yet "
+                                        "(python3 -m bench.ck_align_probe on the GPU writes one)")
+@pytest.mark.parametrize("path", RESULTS, ids=[p.name for p in RESULTS])
+def test_measured_outcomes_are_the_envelopes(path):
+    """On the GPU: comfy-kitchen raised exactly where the envelope predicted (and which check),
+    nothing crashed or left a CUDA error, and every contiguous copy ran, finite."""
+    d = json.loads(path.read_text())
+    assert not d["dry_run"] and d["command"].startswith("python3 -m bench.ck_align_probe")
+    for c in d["cases"]:
+        assert "crashed" not in c, (c["name"], c.get("crashed"))
+        m, r = c["measured"], c["repacked"]
+        assert m["cuda_error_after"] is None and r["cuda_error_after"] is None, c["name"]
+        assert m["outcome"] == c["predicted"], (c["name"], m.get("error"), c["violations"])
+        assert r["outcome"] == "ok" and r["finite"], (c["name"], r)
