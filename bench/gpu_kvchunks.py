@@ -182,7 +182,7 @@ def sec_anatomy(args) -> dict:
     without ``return_lse``; the split plus the pack's own merge), the pack's kv_chunks call and
     its unchunked plan, and a per-kernel profile of the pack's call and of the whole-key call."""
     from safe_ops.ui import run_stats
-    from safe_ops.attention.executor import lse_merge
+    from safe_ops.attention.lse_merge import lse_merge
     fam = args.kv_families[0]
     ks = kernels()
     if fam not in ks:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .call_forms import Normalised
+from .lse_merge import KeyChunkMerge
 from .streams import legacy_hop, run_hopped
 from ..families.family import Kernel
 from .planner import Plan
@@ -116,7 +117,8 @@ class Executor:
         Per (head group x query chunk) block: a running float32 accumulator of the
         normalised output and a running LSE; each key chunk's output ``o_c`` (LSE ``l_c``)
         is folded in as ``acc = acc*exp(L - L') + o_c*exp(l_c - L')`` with
-        ``L' = logaddexp(L, l_c)``. Peak beyond the result: the accumulator (4 bytes per
+        ``L' = logaddexp(L, l_c)`` (lse_merge.KeyChunkMerge: fused on CUDA, the last chunk's
+        merge writing ``out``). Peak beyond the result: the accumulator (4 bytes per
         element of the block), one launch's output and temporaries, the centred key chunk
         and [B, g, qc] float32 LSE vectors -- no full-size temporary (Plan.extra_bytes).
 
@@ -142,10 +144,11 @@ class Executor:
             buf = buf.transpose(1, 2) if nhd else buf
             return torch.sub(ks, km, out=buf)
 
+        n_chunks = -(-Skv // kc)
         for s0 in range(0, Sq, qc):
             s1 = min(s0 + qc, Sq)
             qs = prep(q[:, h0:h1, s0:s1], "q")
-            acc = run = None
+            merge = KeyChunkMerge(out[:, h0:h1, s0:s1], n_chunks)
             for c0 in range(0, Skv, kc):
                 c1 = min(c0 + kc, Skv)
                 ks = key_chunk(c0, c1)
@@ -156,23 +159,6 @@ class Executor:
                     o = o.transpose(1, 2)
                 else:
                     o, lse = kern.fn_lse(qs, ks, vs, "HND", n.scale)
-                acc, run = lse_merge(acc, run, o, lse)
+                merge.add(o, lse)
                 del ks, vs, o, lse
-            out[:, h0:h1, s0:s1].copy_(acc)
-            del acc, run, qs
-
-
-def lse_merge(acc: torch.Tensor | None, run: torch.Tensor | None, o: torch.Tensor,
-              lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fold one key chunk's normalised output ``o`` [B,H,S,D] with LSE ``lse`` [B,H,S] into
-    the running float32 ``acc`` / ``run`` (None to start). Exact: softmax over the union of
-    the chunks' keys, as long as every ``lse`` is off by the same per-row constant. The first
-    ``o`` becomes the accumulator (a float32 launch output is updated in place, not copied: it is
-    the launch's own tensor, which nothing else reads)."""
-    lse = lse.float()
-    if acc is None:
-        return o.float(), lse
-    new = torch.logaddexp(run, lse)
-    acc.mul_(torch.exp(run - new).unsqueeze(-1))
-    acc.addcmul_(o, torch.exp(lse - new).unsqueeze(-1))
-    return acc, new
+            del merge, qs

@@ -574,7 +574,7 @@ def test_kernel_without_lse_never_gets_kv_chunks(small_kv_chunks):
 
 
 def test_lse_merge_is_exact_and_shift_invariant():
-    from safe_ops.attention.executor import lse_merge
+    from safe_ops.attention.lse_merge import lse_merge
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 64, 16, generator=g, dtype=torch.float64) for _ in range(3))
     s = 16 ** -0.5
