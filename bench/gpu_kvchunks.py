@@ -4,13 +4,16 @@ SafeAttention, the comfy-kitchen boundary probe and the 99,866-token guarded/in-
     python -m bench.gpu_kvchunks --out bench/results/kvchunks_h200.json          # ~5-6 min on an H200
     python -m bench.gpu_kvchunks --quick --out /tmp/kvchunks_quick.json          # ~2-3 min
     python -m bench.gpu_kvchunks --update-table bench/results/kvchunks_h200.json  # -> kernel_table.json
+    python -m bench.gpu_kvchunks --only merge --out bench/results/kvchunks_merge_h200.json  # fused merge, ~5 min
 
 Sections (``--only a,b``): ``families`` (time + rel. L2 of each sage-2 family, comfy-kitchen
 int8 and SDPA; TFLOP/s rows for kernel_table.json), ``kvchunks`` (the kv_chunks plan with the
 real sage 2.2 kernels vs the same kernel's unchunked plan), ``ck_probe`` (where comfy-kitchen's
 int8_attention starts refusing or failing), ``guard`` (guarded/in-limit at 99,866 tokens),
 ``anatomy`` (where kv_chunks' extra time goes: raw kernel with/without ``return_lse``, keys
-whole/split, the merge alone, per-kernel profiles; not in the default ``--only``).
+whole/split, the merge alone, per-kernel profiles; not in the default ``--only``), ``merge`` (issue 29:
+kv_chunks with the fused and the old key-chunk merge vs the kernel's ``return_lse`` and plain variants
+on the whole call, bench/kvchunks_merge.py; not in the default ``--only``).
 Every section runs in its own child process (an illegal memory access poisons the CUDA
 context) and every family inside it in try/except, with the error recorded.
 
@@ -36,6 +39,7 @@ import torch
 
 from bench.benchutil import profile_table, time_ms  # noqa: F401  (time_ms: used by the sections)
 from bench.kvchunks_ck_probe import sec_ck_probe
+from bench.kvchunks_merge import sec_merge
 from bench.kvchunks_common import (D, HEADS, SM120_KV_RULE, emit, env_info, first_call, flops, guarded, h3_buffer,
                                    h3_views, kernels, noop, record_error, rel_l2, row_index, sdpa_rows, with_kv_rule)
 
@@ -182,7 +186,7 @@ def sec_anatomy(args) -> dict:
     without ``return_lse``; the split plus the pack's own merge), the pack's kv_chunks call and
     its unchunked plan, and a per-kernel profile of the pack's call and of the whole-key call."""
     from safe_ops.ui import run_stats
-    from safe_ops.attention.lse_merge import lse_merge
+    from safe_ops.attention.lse_merge import KeyChunkMerge
     fam = args.kv_families[0]
     ks = kernels()
     if fam not in ks:
@@ -204,19 +208,20 @@ def sec_anatomy(args) -> dict:
 
     def split(lse: bool, merge: bool = False, cuts=None):
         def run():
-            acc = run_l = None
             outs = []
+            dst = torch.empty_like(q) if merge else None
+            m = KeyChunkMerge(dst, len(cuts or spans)) if merge else None   # the pack's merge
             for a, b in (cuts or spans):
                 if lse:
                     o_, l_ = fl(nq, nk[:, a:b], nv[:, a:b], "NHD", None)
                     if merge:
-                        acc, run_l = lse_merge(acc, run_l, o_.transpose(1, 2), l_)
+                        m.add(o_.transpose(1, 2), l_)
                         del o_, l_
                     else:
                         outs.append(o_)
                 else:
                     outs.append(f(nq, nk[:, a:b], nv[:, a:b], "NHD", None))
-            return acc if merge else outs
+            return dst if merge else outs
         return run
 
     # one long chunk and one short one (the planner splits evenly; is the split or the count the cost?)
@@ -243,10 +248,9 @@ def sec_anatomy(args) -> dict:
     dst = torch.empty_like(q)
 
     def merge_only():
-        acc = run_l = None
+        m = KeyChunkMerge(dst, len(outs))
         for o_, l_ in outs:
-            acc, run_l = lse_merge(acc, run_l, o_.transpose(1, 2), l_)
-        dst.copy_(acc)
+            m.add(o_.transpose(1, 2), l_)
         return dst
     res["merge_only_ms"] = time_ms({"m": merge_only}, args.anatomy_reps)["m"]
     del outs
@@ -329,7 +333,7 @@ def update_table(result_path: str, table_path: str, only: list[str] | None = Non
 
 
 SECTIONS = {"families": sec_families, "kvchunks": sec_kvchunks, "ck_probe": sec_ck_probe, "guard": sec_guard,
-            "anatomy": sec_anatomy}
+            "anatomy": sec_anatomy, "merge": sec_merge}
 
 
 def run_section(name: str, argv: list[str], timeout: int) -> dict:
@@ -374,6 +378,8 @@ def main() -> None:
                          "(per_warp runs direct there: nothing to measure)")
     ap.add_argument("--anatomy-S", type=int, default=169_000)
     ap.add_argument("--anatomy-reps", type=int, default=3)
+    ap.add_argument("--merge-sizes", default="169000,314437")
+    ap.add_argument("--merge-reps", type=int, default=3)
     ap.add_argument("--section-timeout", type=int, default=420)
     ap.add_argument("--update-table", metavar="RESULT_JSON",
                     help="merge RESULT_JSON's measured TFLOP/s into safe_ops/facts/kernel_table.json and exit (no GPU)")
@@ -389,6 +395,7 @@ def main() -> None:
     args.sizes = [int(x) for x in str(args.sizes).split(",") if x]
     args.kv_sizes = [int(x) for x in str(args.kv_sizes).split(",") if x]
     args.kv_sizes_more = [int(x) for x in str(args.kv_sizes_more).split(",") if x]
+    args.merge_sizes = [int(x) for x in str(args.merge_sizes).split(",") if x]
     args.kv_families = [x for x in str(args.kv_families).split(",") if x]
     args.guard_families = [x for x in str(args.guard_families).split(",") if x]
     if args.update_table:

@@ -21,13 +21,13 @@ Two implementations of the same math, chosen per block on its first chunk:
   module), and for the rest of the process after a fused launch raised (counted, logged once).
 
 triton is imported on the first block that could use it (once per process), never when the pack
-loads: a CPU-only ComfyUI never imports it. On the CPU the Triton interpreter (``TRITON_INTERPRET=1``)
-runs the fused path on CPU tensors (the unit tests).
+loads: a CPU-only ComfyUI never imports it. On the CPU, once the kernel was built for the Triton
+interpreter (triton imported with ``TRITON_INTERPRET=1``: the unit tests), the fused path runs on CPU
+tensors.
 """
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
@@ -94,17 +94,16 @@ def fused_for(o: torch.Tensor, lse: torch.Tensor, dst: torch.Tensor) -> Any:
     into ``dst``, else None (the torch merge)."""
     if not _enabled:
         return None
-    dev = o.device.type
-    if dev == "cuda":
-        if torch.cuda.is_current_stream_capturing():
-            return None
-    elif not (dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
-        return None
     if (o.dtype not in FUSED_DTYPES or dst.dtype not in FUSED_DTYPES or o.dim() != 4
             or o.shape != dst.shape or tuple(lse.shape) != tuple(o.shape[:3]) or o.shape[-1] > MAX_D
             or o.device != dst.device or lse.device != o.device):
         return None
-    return fused_module()
+    dev = o.device.type
+    if dev == "cuda":
+        return None if torch.cuda.is_current_stream_capturing() else fused_module()
+    # CPU tensors: only a kernel already built for the Triton interpreter (the tests) takes them;
+    # a CPU block never imports triton
+    return _fused if dev == "cpu" and _fused and getattr(_fused, "INTERPRETED", False) else None
 
 
 def _fused_failed(e: Exception) -> None:

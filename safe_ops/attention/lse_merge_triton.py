@@ -3,7 +3,7 @@ this module imports triton).
 
 :func:`merge` computes, for every query row of two (output, LSE) pairs, in one pass over them::
 
-    new = logaddexp(la, lb)          # as torch.logaddexp: equal infinities give themselves
+    new = logaddexp(la, lb)
     out = a * exp(la - new) + b * exp(lb - new)       (in float32, stored in out's dtype)
     lse_out = new                                     (when asked for)
 
@@ -41,11 +41,10 @@ def merge_kernel(a_ptr, la_ptr, b_ptr, lb_ptr, o_ptr, lo_ptr,
     i0 = t // N1
     la = tl.load(la_ptr + (i0 * sla0 + i1 * sla1 + i2 * sla2), mask=rmask, other=0.0)
     lb = tl.load(lb_ptr + (i0 * slb0 + i1 * slb1 + i2 * slb2), mask=rmask, other=0.0)
-    # torch.logaddexp: max + log1p(exp(-|la - lb|)), except equal infinities (-inf, -inf) -> -inf
+    # torch.logaddexp's max + log1p(exp(-|la - lb|)); where la == lb == +-inf torch's is that infinity
+    # and this is NaN, but then both merges' weights are exp(inf - inf) = NaN: the same NaN row
     m = tl.maximum(la, lb)
     new = m + tl.log(1.0 + tl.exp(-tl.abs(la - lb)))
-    same_inf = (la == lb) & (tl.abs(la) == float("inf"))
-    new = tl.where(same_inf, la, new)
     wa = tl.exp(la - new)
     wb = tl.exp(lb - new)
     d = tl.arange(0, BLOCK_D)
@@ -57,6 +56,10 @@ def merge_kernel(a_ptr, la_ptr, b_ptr, lb_ptr, o_ptr, lo_ptr,
              o.to(o_ptr.dtype.element_ty), mask=mask)
     if WRITE_LSE:
         tl.store(lo_ptr + (i0 * slo0 + i1 * slo1 + i2 * slo2), new, mask=rmask)
+
+
+#: built for the Triton interpreter (TRITON_INTERPRET=1 when triton was imported): runs on CPU tensors
+INTERPRETED = type(merge_kernel).__name__ == "InterpretedFunction"
 
 
 def launch_args(a: torch.Tensor, la: torch.Tensor, b: torch.Tensor, lb: torch.Tensor,

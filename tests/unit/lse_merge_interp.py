@@ -7,7 +7,7 @@ and merges on the CPU without importing triton).
 Checks, each an assertion (a failure exits non-zero with its traceback):
 1. importing safe_ops' attention code and a CPU merge without the interpreter leave the pack's Triton
    module (lse_merge_triton.py, the one that imports triton) unimported;
-2. under the interpreter, the fused merge (KeyChunkMerge's own choice, i.e. the production dispatch)
+2. with the kernel built for the interpreter, the fused merge (KeyChunkMerge's own choice: the dispatch)
    equals the torch reference merge to float32 rounding (then one rounding to the result's dtype) on
    random chunks: several shapes, NHD/HND/padded-D strides, a strided result slice, 1-4 chunks,
    bf16/fp16/fp32, and LSE edge cases (-inf in one or every chunk, +-1e4 offsets, equal LSEs);
@@ -180,6 +180,8 @@ def compiles_for_gpus() -> None:
 def main() -> None:
     pack_loads_without_triton()
     os.environ["TRITON_INTERPRET"] = "1"            # before the first import of lse_merge_triton
+    from safe_ops.attention import lse_merge
+    assert lse_merge.fused_module().INTERPRETED
     fused_matches_reference()
     assert "safe_ops.attention.lse_merge_triton" in sys.modules
     kv_chunks_tests_with_fused_merge()

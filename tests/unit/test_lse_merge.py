@@ -27,7 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     run_stats.reset()
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(L, "_fused", L._fused)          # restored after each test
     monkeypatch.setattr(L, "_enabled", True)
 
@@ -96,13 +95,14 @@ def test_without_triton_the_import_is_tried_once_per_process(monkeypatch):
     assert tries == [1]
 
 
-def test_interpreter_env_makes_cpu_blocks_eligible_and_odd_dtypes_are_not(monkeypatch):
+def test_cpu_blocks_take_only_an_interpreted_kernel_and_odd_dtypes_none(monkeypatch):
     fake = StandIn()
+    fake.INTERPRETED = False
     monkeypatch.setattr(L, "_fused", fake)
     o, lse = torch.zeros(1, 2, 3, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 3)
     dst = torch.empty(1, 2, 3, 8, dtype=torch.bfloat16)
-    assert L.fused_for(o, lse, dst) is None                               # CPU, no interpreter
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert L.fused_for(o, lse, dst) is None                               # CPU, a kernel for the GPU
+    fake.INTERPRETED = True                                               # built for the Triton interpreter
     assert L.fused_for(o, lse, dst) is fake
     assert L.fused_for(o.double(), lse, dst) is None                      # a dtype the kernel does not read
     assert L.fused_for(o, lse, dst.to(torch.int32)) is None
@@ -199,3 +199,19 @@ def test_fused_kernel_under_the_triton_interpreter():
         print(f"[test_lse_merge] GPU compile not checked: {summary.get('compile')}")
     else:
         assert len(compiled) == 4
+
+
+def test_bench_merge_section_fields(tmp_path):
+    """bench/kvchunks_merge.py (python -m bench.gpu_kvchunks --only merge): the ratio names the issue
+    asks for, and the earlier numbers read from the committed results under ``*_before`` names."""
+    from bench.kvchunks_merge import before_numbers, ratios
+    r = ratios({"plain": 100.0, "lse": 104.0, "kv_fused": 104.4, "kv_old": 105.2})
+    assert r["kv_chunks_over_lse"] == pytest.approx(104.4 / 104) and r["kv_chunks_over_plain"] == pytest.approx(1.044)
+    assert r["kv_chunks_over_lse_old_merge"] == pytest.approx(105.2 / 104)
+    b = before_numbers(169000)
+    assert b["kv_chunks_over_lse_before"] == pytest.approx(1.0104, abs=1e-4)     # 2240.2 / 2217.1 ms
+    assert b["kv_chunks_over_plain_before"] == pytest.approx(1.0592, abs=1e-4)
+    assert before_numbers(314437)["kv_chunks_over_plain_before"] == pytest.approx(1.0567, abs=1e-4)
+    missing = before_numbers(169000, results_dir=str(tmp_path))
+    assert missing["kv_chunks_over_lse_before"] is None
+    assert "not read: FileNotFoundError" in missing["before_sources"]["kv_chunks_over_lse_before"]
