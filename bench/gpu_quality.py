@@ -216,8 +216,9 @@ def main() -> None:
             qguard.run_ended()
             rep = run_stats.snapshot()
             choices = (rep.get("quality_last_run") or {}).get("choices") or {}
+            # ComfyUI's own attention is the reference the guard measures against: its error is 0 there
             blocks = [{"index": c["block"], "outlier_factor": factors[c["block"]], "family": c["family"],
-                       "error": c["error"], "sage_family": fam, "sage_error": c["planned_error"],
+                       "error": c["error"] if c["family"] != "sdpa" else 0.0, "candidates": c.get("candidates"), "sage_family": fam, "sage_error": c["planned_error"],
                        "target": c["target"], "moved": c["moved"], "why": c["why"]}
                       for c in choices.get("blocks", [])]
             probe_ms = max(step1_ms - sage_ms, 0.0)

@@ -274,7 +274,8 @@ def _r(x):
 
 def _entry(c: targets.Choice) -> dict:
     return {"block": c.block, "family": c.family, "error": _r(c.error), "planned": c.planned,
-            "planned_error": _r(c.planned_error), "target": _r(c.target), "moved": c.moved, "why": c.why}
+            "planned_error": _r(c.planned_error), "target": _r(c.target), "moved": c.moved, "why": c.why,
+            "candidates": {f: _r(e) for f, e in c.candidates.items()}}
 
 
 def _publish(kind: str, value: dict) -> None:
