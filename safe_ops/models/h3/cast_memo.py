@@ -63,6 +63,44 @@ def _sig(v: Any) -> Any:
         return ("id", id(v))
 
 
+#: keyword values whose ``==`` and hash are plain (the per-chunk shortcut compares them directly)
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+_MISSING = object()
+
+
+def _key(s: Any, args: tuple, kwargs: dict) -> tuple:
+    """The memo key of a cast: the layer and the :func:`_sig` of every argument."""
+    return (id(s), tuple(_sig(a) for a in args), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())))
+
+
+def _shortcut(args: tuple, kwargs: dict, key: tuple) -> tuple | None:
+    """What a later chunk's cast of the same layer is compared with instead of building its
+    :func:`_key` again: ComfyUI's form of the call (one tensor -- the chunk -- and keyword values
+    of plain types), else None (every cast builds its key)."""
+    if len(args) != 1 or not isinstance(args[0], torch.Tensor) or \
+            not all(type(v) in _PLAIN for v in kwargs.values()):
+        return None
+    a = args[0]
+    return (type(a), a.dtype, a.device, dict(kwargs), key)
+
+
+def _same_as(cut: tuple, args: tuple, kwargs: dict) -> bool:
+    """This cast's :func:`_key` equals the one ``cut`` was made for: the tensor's type (exact),
+    dtype and device, the same keywords with values of the same type and equal (so equal
+    :func:`_sig`). False is only a missed shortcut (the key is built)."""
+    if len(args) != 1 or len(kwargs) != len(cut[3]):
+        return False
+    a = args[0]
+    if type(a) is not cut[0] or a.dtype is not cut[1] or a.device != cut[2]:
+        return False
+    plain = cut[3]
+    for k, v in kwargs.items():
+        w = plain.get(k, _MISSING)
+        if type(v) is not type(w) or v != w:
+            return False
+    return True
+
+
 def _tensors(t: Any) -> Iterator[torch.Tensor]:
     """The plain tensors a cast result holds (a QuantizedTensor's data and scale)."""
     if t is None:
@@ -144,6 +182,7 @@ class _Scope:
         self.stats = stats
         self._uncast = uncast
         self.memo: dict[tuple, _Entry] = {}
+        self.cuts: dict[int, tuple] = {}     # watched layer -> its last cast's key shortcut (_shortcut)
         self.seen: set[int] = set()          # watched layers cast through comfy.ops
         self.dropped = False
         self.active = uncast is not None     # install() has wrapped ComfyUI's cast and uncast
@@ -200,8 +239,14 @@ class _Scope:
     def _lookup(self, s, args, kwargs):
         if id(s) not in self.watch:
             return None, None
-        self.seen.add(id(s))
-        key = (id(s), tuple(_sig(a) for a in args), tuple(sorted((k, _sig(v)) for k, v in kwargs.items())))
+        sid = id(s)
+        self.seen.add(sid)
+        cut = self.cuts.get(sid)
+        if cut is not None and _same_as(cut, args, kwargs):
+            key = cut[4]                       # the key is built once per call, not per chunk
+        else:
+            key = _key(s, args, kwargs)
+            self.cuts[sid] = _shortcut(args, kwargs, key)
         hit = self.memo.get(key)
         if hit is not None:
             self.stats.bump("cast_reuses")
@@ -267,11 +312,11 @@ class _Scope:
 
 if getattr(getattr(torch, "compiler", None), "is_compiling", None) is not None:
     @contain.boundary
-    def _compiling() -> bool:
+    def compiling() -> bool:
         """``torch.compiler.is_compiling()``, looked up per call (dynamo reads it as a constant)."""
         return torch.compiler.is_compiling()
 else:  # pragma: no cover - a torch without torch.compiler
-    def _compiling() -> bool:
+    def compiling() -> bool:
         return False
 
 
@@ -308,7 +353,7 @@ def install() -> bool:
         _REAL["cast"] = real_cast
 
         def cast_bias_weight(s, *args, **kwargs):
-            if _compiling():
+            if compiling():
                 return real_cast(s, *args, **kwargs)
             scope = _SCOPE.get()
             if scope is None:
@@ -320,7 +365,7 @@ def install() -> bool:
         _REAL["uncast"] = real_uncast
 
         def uncast_bias_weight(s, weight, bias, offload_stream, *args, **kwargs):
-            if _compiling():
+            if compiling():
                 return real_uncast(s, weight, bias, offload_stream, *args, **kwargs)
             scope = _SCOPE.get()
             if scope is not None and scope.defers(s, weight):
@@ -330,7 +375,7 @@ def install() -> bool:
 
     def make_buffer(real_get, device_at):
         def get_buffer(*args, **kwargs):
-            if _compiling():
+            if compiling():
                 return real_get(*args, **kwargs)
             buf = real_get(*args, **kwargs)
             scope = _SCOPE.get()
