@@ -66,30 +66,51 @@ class BudgetReader:
 
     Free device memory (:func:`free_device_bytes`) times FREE_MEMORY_FRACTION, rounded down to a
     BUDGET_STEP bucket so that plans are re-chosen only when it really moves. None off CUDA
-    (no limit)."""
+    (no limit). :meth:`free` is the same throttled reading, unbucketed (the MLP's chunk budget)."""
 
     def __init__(self):
-        self._cache: dict = {}        # device index -> (time read, budget)
+        self._cache: dict = {}        # device -> (time read, free bytes, budget)
         self._lock = threading.Lock()  # held while _cache changes
+
+    def _read(self, device) -> tuple:
+        now = time.monotonic()
+        hit = self._cache.get(device)
+        if hit is not None and now - hit[0] < BUDGET_POLL_S:
+            return hit
+        free = free_device_bytes(device)
+        entry = (now, free, plan_budget_bytes(free))
+        with self._lock:
+            self._cache[device] = entry
+        return entry
 
     def __call__(self, device: torch.device) -> int | None:
         if device.type != "cuda":
             return None
-        now = time.monotonic()
-        hit = self._cache.get(device.index)
-        if hit is not None and now - hit[0] < BUDGET_POLL_S:
-            return hit[1]
-        budget = plan_budget_bytes(free_device_bytes(device))
+        return self._read(device)[2]
+
+    def free(self, device) -> int | None:
+        """:func:`free_device_bytes` of ``device``, re-read at most every BUDGET_POLL_S seconds."""
+        return self._read(device)[1]
+
+    def clear(self) -> None:
+        """Forget every reading (the next call reads again)."""
         with self._lock:
-            self._cache[device.index] = (now, budget)
-        return budget
+            self._cache.clear()
 
 
-def mlp_budget_bytes(device, cap_bytes: int) -> int:
+#: the MLP's reader, shared by every patched MLP of the process: ComfyUI's ``get_free_memory``
+#: (``torch.cuda.memory_stats``, >= 100 us on a GPU) runs at most every BUDGET_POLL_S seconds,
+#: not once per MLP call
+MLP_READER = BudgetReader()
+
+
+def mlp_budget_bytes(device, cap_bytes: int, read_free=None) -> int:
     """Bytes one MLP chunk's intermediates may use: ``cap_bytes``, less when free memory is short
-    (MLP_FREE_FRACTION of it), never below MLP_BUDGET_FLOOR_BYTES."""
+    (MLP_FREE_FRACTION of it), never below MLP_BUDGET_FLOOR_BYTES. Free memory comes from
+    ``read_free(device)``: by default :data:`MLP_READER` (throttled); :func:`free_device_bytes`
+    itself where nothing cached may be touched (a traced call)."""
     budget = cap_bytes
-    free = free_device_bytes(device)
+    free = (MLP_READER.free if read_free is None else read_free)(device)
     if free is not None:
         budget = min(budget, int(free * MLP_FREE_FRACTION))
     return max(budget, MLP_BUDGET_FLOOR_BYTES)

@@ -14,3 +14,13 @@ def bench_tables():
     """bench/tables.py (python -m bench.tables)."""
     from bench import tables
     return tables
+
+
+@pytest.fixture(autouse=True)
+def _fresh_mlp_budget_reader():
+    """budget.MLP_READER keeps a free-memory reading for BUDGET_POLL_S seconds, process-wide: a
+    test's stand-in reading must not reach the next test."""
+    from safe_ops.facts import budget
+    budget.MLP_READER.clear()
+    yield
+    budget.MLP_READER.clear()

@@ -112,15 +112,23 @@ def test_no_model_prefetch_means_no_compiler_and_no_pause(monkeypatch):
 
 
 def test_mlp_auto_chunk_kept_for_the_run(prefetch, monkeypatch):
+    from safe_ops.facts import budget
     free = {"b": 100 * 2**30}
-    monkeypatch.setattr("safe_ops.facts.budget.free_device_bytes", lambda d: free["b"])
+    clock = {"t": 1000.0}
+    monkeypatch.setattr(budget, "free_device_bytes", lambda d: free["b"])
+    monkeypatch.setattr(budget.time, "monotonic", lambda: clock["t"])
+
+    def later():               # past the MLP's free-memory throttle (budget.MLP_READER)
+        clock["t"] += 2 * budget.BUDGET_POLL_S
     dev = torch.device("cpu")
     a = mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev)
     free["b"] = 2 * 2**30                                    # a quarter of it: a smaller auto chunk
+    later()
     assert mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev) == a
     compiler.new_run()
     b = mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev)
     assert b < a
     prefetch.enabled = False
     free["b"] = 100 * 2**30
+    later()
     assert mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev) == a, "no compiler: follows memory"

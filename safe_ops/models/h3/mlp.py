@@ -33,7 +33,8 @@ from ...facts import compiler
 from ... import contain
 from . import cast_memo
 from ...ui import run_stats
-from .mlp_plan import parse_chunk_setting, resolve_chunk
+from ...facts import budget
+from .mlp_plan import auto_budget_bytes, chunk_tokens, parse_chunk_setting
 
 log = logging.getLogger("SafeSage.mlp")
 
@@ -122,6 +123,39 @@ def row_dependent_reason(linear: Any) -> str | None:
     return f"{name} input quantisation may depend on all tokens"
 
 
+class MLPFacts:
+    """What every call of one patched MLP needs and no call changes: the parsed chunk setting,
+    the dims, and why chunking could change the numbers (:func:`row_dependent_reason`). Made once
+    per patched module (mlp_patch.H3ChunkedMLPForward keeps it) and made again when
+    :meth:`current` says the module or the setting changed: other Linear objects in fc1 / fc2, or
+    a quantisation loaded into one of them since (``layout_type`` / ``quant_format`` /
+    ``input_scale`` as ComfyUI's loader sets them on the layer)."""
+
+    __slots__ = ("setting", "fc1", "fc2", "state", "hidden", "ffn", "row_dependent")
+
+    def __init__(self, module, setting: Any):
+        self.setting = setting
+        self.fc1, self.fc2 = module.fc1, module.fc2
+        self.state = (_quant_state(self.fc1), _quant_state(self.fc2))
+        self.hidden, self.ffn = _mlp_dims(module)
+        self.row_dependent = row_dependent_reason(self.fc1) or row_dependent_reason(self.fc2)
+
+    def current(self, module, setting: Any) -> bool:
+        """Still true of ``module`` with ``setting`` (a few attribute reads, no ComfyUI lookups)."""
+        fc1, fc2 = module.fc1, module.fc2
+        return (setting is self.setting and fc1 is self.fc1 and fc2 is self.fc2
+                and self.state == (_quant_state(fc1), _quant_state(fc2)))
+
+
+def _quant_state(linear) -> tuple:
+    """The attributes ComfyUI's quantised-layer loader sets on a layer (instance attributes and
+    parameters only: no nn.Module.__getattr__ miss per call)."""
+    d = getattr(linear, "__dict__", {})
+    params = d.get("_parameters") or {}
+    scale = params.get("input_scale", d.get("input_scale"))
+    return d.get("layout_type"), d.get("quant_format"), scale is None
+
+
 _RUN_CHUNKS: dict = {}      # (run id, call signature) -> tokens per chunk, under ComfyUI's compiler
 _RUN_CHUNKS_LOCK = threading.Lock()     # held while _RUN_CHUNKS changes (its trim iterates it)
 
@@ -131,12 +165,18 @@ def chunk_for_call(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: tor
     """mlp_plan.resolve_chunk, except that under ComfyUI's allocation compiler an "auto" chunk size
     is chosen at a signature's first call of a sampling run and kept for the run: "auto" follows
     free memory, and another chunk size on a later step would allocate differently."""
-    if parse_chunk_setting(chunk_setting) != "auto" or budget_bytes is not None or not compiler.enabled(device):
-        return resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
+    return _chunk_for(parse_chunk_setting(chunk_setting), S, hidden, ffn, dtype, device, budget_bytes)
+
+
+def _chunk_for(setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
+               device: torch.device, budget_bytes: int | None = None) -> int:
+    """:func:`chunk_for_call` for a parsed setting."""
+    if setting != "auto" or budget_bytes is not None or not compiler.enabled(device):
+        return chunk_tokens(setting, S, hidden, ffn, dtype, device, budget_bytes)
     key = (compiler.run_id(), S, hidden, ffn, dtype, device)
     c = _RUN_CHUNKS.get(key)
     if c is None:
-        c = resolve_chunk(chunk_setting, S, hidden, ffn, dtype, device, budget_bytes)
+        c = chunk_tokens(setting, S, hidden, ffn, dtype, device, budget_bytes)
         with _RUN_CHUNKS_LOCK:
             c = _RUN_CHUNKS.setdefault(key, c)     # another thread's choice for this run, if first
             run_stats.trim(_RUN_CHUNKS)       # the store's bound; the oldest (earlier runs') go first
@@ -156,10 +196,16 @@ def _unpatched(module, x):
 
 
 def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any = "auto",
-                   stats: run_stats.Section = MLP_STATS, budget_bytes: int | None = None) -> torch.Tensor:
+                   stats: run_stats.Section = MLP_STATS, budget_bytes: int | None = None,
+                   facts: MLPFacts | None = None) -> torch.Tensor:
     """Replacement for an H3 ``MLP.forward``: ComfyUI's own forward per token chunk, each Linear
     cast once per call (cast_memo.cast_once); ComfyUI's unchunked forward where chunking is not
-    needed or could change the numbers (counted, logged once per reason)."""
+    needed or could change the numbers (counted, logged once per reason).
+
+    ``facts``: the module's :class:`MLPFacts` for ``chunk_setting`` (the patch's, made once);
+    made here when None. While torch compiles, free memory is read as it is (nothing cached,
+    no lock: budget.MLP_READER and the per-run chunk sizes are skipped)."""
+    traced = cast_memo.compiling()
     stats.bump("calls")
     S = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
@@ -168,17 +214,18 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
     if getattr(sys.modules.get("comfy.model_management"), "in_training", False):
         stats.fallback("comfy in_training")
         return _unpatched(module, x)
-    hidden, ffn = _mlp_dims(module)
-    c = chunk_for_call(chunk_setting, S, hidden, ffn, x.dtype, x.device, budget_bytes)
+    if facts is None:
+        facts = MLPFacts(module, parse_chunk_setting(chunk_setting))
+    if traced and budget_bytes is None and facts.setting == "auto":
+        budget_bytes = auto_budget_bytes(x.device, budget.free_device_bytes)
+    c = _chunk_for(facts.setting, S, facts.hidden, facts.ffn, x.dtype, x.device, budget_bytes)
     if c >= S:
         stats.bump("passthrough")
         return _unpatched(module, x)
-    layers = (module.fc1, module.fc2)
-    for layer in layers:
-        why = row_dependent_reason(layer)
-        if why is not None:
-            stats.fallback(why)
-            return _unpatched(module, x)
+    layers = (facts.fc1, facts.fc2)
+    if facts.row_dependent is not None:
+        stats.fallback(facts.row_dependent)
+        return _unpatched(module, x)
 
     stats.bump("chunked_calls")
     n = -(-S // c)

@@ -14,7 +14,7 @@ from ... import contain
 from . import cast_memo
 from ...ui import run_stats
 from .dims import H3_MLP_CLASS, H3_MODEL_MODULE, find_h3_mlps, is_h3_model
-from .mlp import MLP_STATS, h3_mlp_forward
+from .mlp import MLP_STATS, MLPFacts, h3_mlp_forward
 from .mlp_plan import parse_chunk_setting
 
 log = logging.getLogger("SafeSage.mlp")
@@ -30,6 +30,7 @@ class H3ChunkedMLPForward:
         self.path = path
         self.chunk_setting = parse_chunk_setting(chunk_setting)
         self.stats = stats
+        self._facts: MLPFacts | None = None     # made at the first call, again when the module changed
 
     @contain.boundary
     def __call__(self, x, *args, **kwargs):
@@ -47,7 +48,13 @@ class H3ChunkedMLPForward:
         if args or kwargs:   # not the H3 signature: never guess
             self.stats.fallback("unexpected MLP.forward arguments")
             return contain.run_comfy(type(self.module).forward, self.module, x, *args, **kwargs)
-        return h3_mlp_forward(self.module, x, self.chunk_setting, self.stats)
+        if cast_memo.compiling():
+            # traced: nothing cached is read or written (the facts are made for this trace)
+            return h3_mlp_forward(self.module, x, self.chunk_setting, self.stats)
+        facts = self._facts
+        if facts is None or not facts.current(self.module, self.chunk_setting):
+            facts = self._facts = MLPFacts(self.module, self.chunk_setting)
+        return h3_mlp_forward(self.module, x, self.chunk_setting, self.stats, facts=facts)
 
     def __repr__(self):
         return f"H3ChunkedMLPForward({self.path}, chunk={self.chunk_setting!r})"

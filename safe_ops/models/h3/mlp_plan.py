@@ -1,6 +1,7 @@
 """How many tokens per chunk an H3 MLP call runs: the setting, the memory per token, the budget.
 
-Pure arithmetic plus one read of free device memory (budget.py); no ComfyUI, no GPU work.
+Pure arithmetic plus a read of free device memory (budget.py's MLP_READER, throttled: at most one
+per BUDGET_POLL_S seconds for the whole process); no ComfyUI, no GPU work.
 """
 from __future__ import annotations
 
@@ -83,9 +84,10 @@ def parse_chunk_setting(chunk_setting: Any) -> Any:
 
 
 
-def auto_budget_bytes(device: torch.device) -> int:
-    """"auto"'s budget for one chunk on ``device``: AUTO_BUDGET_BYTES, less when memory is short."""
-    return mlp_budget_bytes(device, AUTO_BUDGET_BYTES)
+def auto_budget_bytes(device: torch.device, read_free=None) -> int:
+    """"auto"'s budget for one chunk on ``device``: AUTO_BUDGET_BYTES, less when memory is short
+    (``read_free``: see budget.mlp_budget_bytes)."""
+    return mlp_budget_bytes(device, AUTO_BUDGET_BYTES, read_free)
 
 
 def balanced(S: int, c: int) -> int:
@@ -103,7 +105,14 @@ def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torc
     """Chunk tokens for this call; ``>= S`` means "do not chunk". "auto": the largest chunk the
     budget allows, then evened out over the chunks it takes (:func:`balanced`); a token count is
     taken as given."""
-    setting = parse_chunk_setting(chunk_setting)
+    return chunk_tokens(parse_chunk_setting(chunk_setting), S, hidden, ffn, dtype, device, budget_bytes)
+
+
+def chunk_tokens(setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
+                 device: torch.device, budget_bytes: int | None = None) -> int:
+    """:func:`resolve_chunk` for a setting :func:`parse_chunk_setting` already normalised (a
+    patched MLP parses its setting once, not per call). "auto" reads free memory through
+    budget.MLP_READER (at most every BUDGET_POLL_S seconds) unless ``budget_bytes`` is given."""
     if setting == "off" or S <= 0:
         return max(S, 0)
     if setting == "auto":
@@ -111,4 +120,3 @@ def resolve_chunk(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: torc
             budget_bytes = auto_budget_bytes(device)
         return balanced(S, plan_chunk(S, hidden, ffn, dtype.itemsize, budget_bytes))
     return min(int(setting), S)
-
