@@ -8,12 +8,14 @@ verifier and the caches these methods fill); the call flow itself is in override
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from ..facts import compiler
+from ..facts.budget import plan_on_ladder
 from ..families.envelope import AttnCall
 from ..families.registry import family_kind
 from ..ui import run_stats
@@ -83,10 +85,10 @@ class PlanChoice:
         return self._budget_reader(device)
 
     def _within_budget(self, p: "Prepared", device: torch.device) -> Plan:
-        """The plan for this signature under the budget *now*: when free memory has moved to
-        another bucket since the signature was planned, the same choice is made again for the
-        new budget (cached per bucket), in either direction -- a sage plan that no longer fits
-        becomes smaller launches or SDPA, an SDPA plan chosen under pressure becomes sage again.
+        """The plan for this signature under the budget *now*. A plan that still fits is kept;
+        free memory crossing budget buckets re-plans only where no plan this signature already
+        has fits (memory really shrank), or where a degraded plan (SDPA under pressure, smaller
+        launches) meets twice the memory it was planned for (budget.plan_on_ladder's rule).
         A fixed budget (the policy's) never moves. Under ComfyUI's allocation compiler the plan
         chosen at a signature's first call of a sampling run is kept for the whole run (another
         plan on a later step would allocate differently: a graph break)."""
@@ -101,17 +103,27 @@ class PlanChoice:
         return self._by_budget(p, device)
 
     def _by_budget(self, p: "Prepared", device: torch.device) -> Plan:
+        """``p.by_budget`` is the signature's plan ladder (budget -> the plan chosen under it):
+        a plan on it when budget.plan_on_ladder finds one, else planned again for the budget now
+        and added. Every such ``choose`` is a re-plan: counted (``replans``) with the
+        microseconds it stalled the call (``replan_us``)."""
         budget = self._budget(device)            # None off CUDA: no budget, nothing to re-check
         if budget is None:
             return p.plan
-        new = p.by_budget.get(budget)
-        if new is None:
-            new = p.by_budget[budget] = choose(p.call, p.envelopes, budget, p.tflops)
-            if new != p.plan:
-                run_stats.count("replans")
-                run_stats.once(("replan", p.plan, budget), logging.INFO,
-                            "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
-                            new.describe(False), p.plan.describe(False))
+        held = plan_on_ladder(p.by_budget, budget)
+        if held is not None:
+            return held
+        t0 = time.perf_counter()
+        new = choose(p.call, p.envelopes, budget, p.tflops)
+        stalled_us = int((time.perf_counter() - t0) * 1e6)
+        with self._cache_lock:
+            p.by_budget[budget] = new
+        run_stats.count("replans")
+        run_stats.count("replan_us", stalled_us)
+        if new != p.plan:
+            run_stats.once(("replan", p.plan, budget), logging.INFO,
+                           "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
+                           new.describe(False), p.plan.describe(False))
         return new
 
     def _remember(self, cache: dict, key: Any, value: Any, keep: int | None = None) -> Any:

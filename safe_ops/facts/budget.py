@@ -19,6 +19,10 @@ import torch
 FREE_MEMORY_FRACTION = 0.8
 BUDGET_STEP = 2 ** 0.25      # budget buckets (~19% apart): a plan is re-chosen when free memory moves
 BUDGET_POLL_S = 0.05         # free memory is re-read at most this often
+#: the attention plan ladder's hysteresis (:func:`plan_on_ladder`): a degraded plan is chosen again
+#: for more memory only once the budget is this many times the largest budget any plan of the
+#: signature was chosen under (one octave: 4 BUDGET_STEP buckets)
+REPLAN_GROWTH = 2.0
 
 #: the MLP never plans a chunk's intermediates below this, even with little free memory
 MLP_BUDGET_FLOOR_BYTES = 256 * 1024 ** 2
@@ -59,6 +63,50 @@ def budget_bucket(nbytes: int) -> int:
 def plan_budget_bytes(free: int | None) -> int | None:
     """What an attention plan may use out of ``free`` bytes: FREE_MEMORY_FRACTION of it, bucketed."""
     return None if free is None else budget_bucket(int(free * FREE_MEMORY_FRACTION))
+
+
+def degraded(plan) -> bool:
+    """A plan more memory could make better: SDPA reached because the memory budget ruled the
+    guarded kernel out (planner.choose's reason names the "memory budget"), or a plan of more
+    than one launch (head groups, query or key chunks). One launch of the kernel needs nothing
+    more; an SDPA plan for other reasons (a rule that no plan can fix) neither."""
+    if plan.kind == "sdpa":
+        return any("memory budget" in r for r in plan.reasons)
+    return plan.launches > 1
+
+
+def plan_on_ladder(ladder: dict, budget: int):
+    """The plan a call signature runs under ``budget`` without planning again, or None when
+    ``planner.choose`` must run (a re-plan: 16-140 ms).
+
+    ``ladder``: budget -> the plan ``choose`` made under it, for every ``choose`` of the
+    signature (its first plan included). The rule:
+
+    1. a budget some plan was chosen under: that plan;
+    2. else the plan chosen under the largest budget whose plan fits now (``peak_bytes <=
+       budget``). Where that budget is at least the budget now, it is what ``choose`` would make
+       now (``choose`` takes the best plan that fits; a smaller budget only removes plans), so
+       nothing is lost. Where it is below -- memory grew past every budget planned under -- it
+       is kept (hysteresis: free memory moving across buckets costs nothing), unless it is
+       :func:`degraded` and the budget is at least REPLAN_GROWTH times the largest budget on
+       the ladder: then None (planned again once for that much memory);
+    3. no plan on the ladder fits (memory really shrank): None.
+
+    Moving between plans already on the ladder costs nothing; only ``choose`` is a re-plan."""
+    plan = ladder.get(budget)
+    if plan is not None:
+        return plan
+    best_b, best, top = -1, None, -1
+    for b, q in list(ladder.items()):       # a snapshot: another thread may add a rung
+        if b > top:
+            top = b
+        if b > best_b and q.peak_bytes <= budget:
+            best_b, best = b, q
+    if best is None:
+        return None
+    if best_b < budget and degraded(best) and budget >= REPLAN_GROWTH * top:
+        return None
+    return best
 
 
 class BudgetReader:

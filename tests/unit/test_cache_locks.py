@@ -1,9 +1,9 @@
 """The caches outside the stats store change only under their lock, and the compiler's run id is
 per thread (issue 26 point 8).
 
-SafeAttention's per-signature caches (``_prepared``, ``_comfy_fns``, a signature's per-run plans),
-mlp.py's per-run chunk sizes and budget.BudgetReader's readings are trimmed or written from the
-sampling thread while another thread may do the same: each is swapped for a container that
+SafeAttention's per-signature caches (``_prepared``, ``_comfy_fns``, a signature's per-run plans
+and its plan ladder), mlp.py's per-run chunk sizes and budget.BudgetReader's readings are trimmed
+or written from the sampling thread while another thread may do the same: each is swapped for a container that
 records whether its lock (a counting stand-in) was held at every change -- a change without it
 fails here whatever the GIL does. The run id: thread A's sampling run ending must not end thread
 B's run (B keeps its plans and chunk sizes), and two threads' runs never share an id.
@@ -96,6 +96,26 @@ def test_a_signatures_run_plans_change_under_the_lock_and_per_thread(prefetch, m
     a2 = call()
     assert a1 > 0 and b1 == 0 and a2 == a1, "A keeps its run's plan while B runs"
     assert ("run", "__setitem__", True) in ledger.events and ledger.unlocked == []
+
+
+def test_a_signatures_plan_ladder_changes_under_the_lock():
+    """A re-plan adds a rung to the signature's ladder (by_budget) while another thread may be
+    reading it (budget.plan_on_ladder iterates a snapshot)."""
+    att, kern = make_attn()
+    lock, ledger = CountingLock(), Ledger()
+    att._cache_lock = lock
+    q, k, v = h3_like(700)
+    budget_now = {"b": 10**12}
+    att._budget = lambda dev: budget_now["b"]
+
+    def comfy(q, k, v, heads, **kw):
+        return q.new_zeros(q.shape)
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    (p,) = att._prepared.values()
+    p.by_budget = guard(p.by_budget, lock, ledger, "by_budget")
+    budget_now["b"] = p.plan.peak_bytes - 1          # no longer fits: a re-plan
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert ("by_budget", "__setitem__", True) in ledger.events and ledger.unlocked == []
 
 
 def test_mlp_run_chunks_change_under_their_lock(prefetch, monkeypatch):

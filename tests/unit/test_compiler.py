@@ -86,6 +86,41 @@ def test_without_the_compiler_the_plan_follows_the_budget(prefetch):
     assert launches[0] < launches[1] and launches[2] == launches[0] and run_stats.STATS["replans"] == 1
 
 
+def test_each_run_takes_its_plan_from_the_ladder_without_replanning(prefetch, monkeypatch):
+    """The per-run rule with the plan ladder (budget.plan_on_ladder): a new run whose budget sits in
+    another bucket but still fits the signature's plan takes it without planner.choose; a run whose
+    budget no longer fits plans once and keeps that plan for the run; the next run with memory back
+    takes the first plan again, still without planning."""
+    import safe_ops.attention.plans as plans
+    from safe_ops.facts.budget import budget_bucket
+    chooses = []
+    real = plans.choose
+    monkeypatch.setattr(plans, "choose", lambda call, envs, b=None, t=None: chooses.append(b) or real(call, envs, b, t))
+    att, kern = make_attn()
+    q, k, v = h3_like(700)
+    budget = {"now": 10**12}
+    att._budget = lambda dev: budget["now"]
+
+    def step(b):
+        budget["now"] = b
+        kern.launches.clear()
+        att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        return len(kern.launches)
+    first = step(10**12)
+    peak = next(iter(att._prepared.values())).plan.peak_bytes
+    chooses.clear()
+    for f in (30, 2, 5, 1.3):
+        compiler.new_run()
+        assert [step(budget_bucket(int(peak * f))), step(1)] == [first, first], "kept for the run"
+    assert chooses == [] and run_stats.STATS["replans"] == 0
+    compiler.new_run()
+    tight = step(peak - 1)
+    assert tight > first and chooses == [peak - 1] and run_stats.STATS["replans"] == 1
+    assert step(10**12) == tight, "memory back within the run: the run's plan is kept"
+    compiler.new_run()
+    assert step(10**12) == first and len(chooses) == 1
+
+
 def test_first_call_check_runs_with_the_graph_paused(prefetch, monkeypatch):
     import safe_ops.attention.override as A
     seen = []

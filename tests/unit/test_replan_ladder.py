@@ -1,0 +1,157 @@
+"""No re-plan stalls (issue 29 point 2): a call signature's plan follows free memory on a ladder.
+
+``planner.choose`` costs 16-140 ms on the GPU. Free memory crossing budget buckets must not pay it
+again while the signature's plan still fits (budget.plan_on_ladder): a re-plan happens when no
+plan the signature already has fits (memory really shrank), or when a degraded plan (SDPA under
+pressure, smaller launches) meets REPLAN_GROWTH times the memory it was planned for. Each re-plan
+is counted (``replans``) with the time it stalled the call (``replan_us``; a stand-in clock here,
+no timing is measured). The same rule per sampling run under ComfyUI's compiler is in
+test_compiler.py.
+"""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import safe_ops.attention.plans as plans
+from safe_ops.facts import budget as B
+from safe_ops.ui import run_stats as report
+
+from test_attention import ComfyFunc, h3_like, make_attn, raw, reference
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    report.reset()
+    yield
+    report.reset()
+
+
+@pytest.fixture
+def chooses(monkeypatch):
+    """Every planner.choose the override makes (a test clears it after the first plan), and a
+    clock that says each took 5 ms."""
+    calls = []
+    real = plans.choose
+    clock = {"t": 0.0}
+
+    def counted(call, envelopes, budget_bytes=None, tflops=None):
+        calls.append(budget_bytes)
+        clock["t"] += 0.005
+        return real(call, envelopes, budget_bytes, tflops)
+    monkeypatch.setattr(plans, "choose", counted)
+    monkeypatch.setattr(plans.time, "perf_counter", lambda: clock["t"])
+    return calls
+
+
+def _run(att, kern, q, k, v, budgets, budget_now, comfy=raw):
+    """One call per budget; the launches each made."""
+    launches = []
+    for b in budgets:
+        budget_now["b"] = b
+        kern.launches.clear()
+        out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+        torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
+        launches.append(len(kern.launches))
+    return launches
+
+
+def test_budget_crossing_buckets_while_the_plan_fits_costs_no_replan(chooses):
+    att, kern = make_attn()
+    q, k, v = h3_like(700)
+    now = {"b": 10**12}
+    att._budget = lambda dev: now["b"]
+    first = _run(att, kern, q, k, v, [10**12], now)[0]
+    assert chooses == [10**12]                      # the signature's first plan
+    chooses.clear()
+    (p,) = att._prepared.values()
+    peak = p.plan.peak_bytes
+    # free memory moves across many buckets, down to exactly the plan's peak and up again
+    moving = [B.budget_bucket(int(peak * f)) for f in (40, 9, 3, 1.3, 7, 1.6, 300, 2)] + [peak]
+    assert all(b >= peak for b in moving) and len(set(moving)) == len(moving)
+    assert _run(att, kern, q, k, v, moving, now) == [first] * len(moving)
+    assert chooses == [] and report.STATS["replans"] == 0 and report.STATS["replan_us"] == 0
+    # memory really shrank: the plan no longer fits -> one re-plan (smaller launches), counted
+    tight = _run(att, kern, q, k, v, [peak - 1], now)[0]
+    assert tight > first and chooses == [peak - 1]
+    assert report.STATS["replans"] == 1 and report.STATS["replan_us"] == 5000
+    # oscillating around it afterwards: both plans are on the ladder, nothing planned again
+    assert _run(att, kern, q, k, v, [peak - 1, 10**12, peak - 1, peak, peak * 3], now) == \
+        [tight, first, tight, first, first]
+    assert report.STATS["replans"] == 1 and len(chooses) == 1
+
+
+def test_a_degraded_plan_is_planned_again_only_for_twice_the_memory(chooses):
+    att, kern = make_attn()
+    q, k, v = h3_like(700)
+    unlimited, _ = make_attn()
+    unlimited._budget = lambda dev: 10**12
+    unlimited(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    best_peak = next(iter(unlimited._prepared.values())).plan.peak_bytes
+    chooses.clear()
+    now = {"b": best_peak - 1}                       # the signature is first seen under pressure
+    att._budget = lambda dev: now["b"]
+    small = _run(att, kern, q, k, v, [best_peak - 1], now)[0]
+    chooses.clear()
+    (p,) = att._prepared.values()
+    assert B.degraded(p.plan) and p.plan.peak_bytes < best_peak
+    # more memory, but less than twice what it was planned under: kept
+    grown = [best_peak, int(1.5 * best_peak), int(1.99 * (best_peak - 1))]
+    assert _run(att, kern, q, k, v, grown, now) == [small] * 3 and chooses == []
+    # twice: planned once more, the better plan from then on
+    big = _run(att, kern, q, k, v, [2 * (best_peak - 1)], now)[0]
+    assert big < small and chooses == [2 * (best_peak - 1)] and report.STATS["replans"] == 1
+    top = 2 * (best_peak - 1)
+    assert _run(att, kern, q, k, v, [best_peak, 3 * best_peak, 2 * top - 1, best_peak - 1], now) == \
+        [big, big, big, small] and len(chooses) == 1
+    # the toy envelope needs two head groups whatever the memory: the next doubling plans once
+    # more (the same plan), and then only the doubling after that -- a bounded cost, not per bucket
+    assert _run(att, kern, q, k, v, [2 * top, 3 * top, 4 * top - 1], now) == [big] * 3
+    assert chooses[1:] == [2 * top] and report.STATS["replans"] == 2
+
+
+def test_a_plan_of_one_launch_is_kept_however_much_memory_comes(chooses):
+    for S in (100, 300):                              # direct; repack (the toy envelope's copies)
+        att, kern = make_attn()
+        q, k, v = h3_like(S)
+        now = {"b": 0}
+        att._budget = lambda dev: now["b"]
+        plan_budget = 400_000
+        first = _run(att, kern, q, k, v, [plan_budget], now)[0]
+        assert next(iter(att._prepared.values())).plan.launches == 1
+        chooses.clear()
+        assert _run(att, kern, q, k, v, [plan_budget * f for f in (2, 9, 100, 10**6)], now) == [first] * 4
+        assert chooses == [] and report.STATS["replans"] == 0
+
+
+def test_sdpa_under_pressure_becomes_the_kernel_when_memory_comes_back(chooses):
+    att, kern = make_attn()
+    q, k, v = h3_like(700)
+    now = {"b": 0}
+    att._budget = lambda dev: now["b"]
+    comfy = ComfyFunc()
+    assert _run(att, kern, q, k, v, [0, 0], now, comfy) == [0, 0] and len(comfy.calls) == 2
+    assert B.degraded(next(iter(att._prepared.values())).plan)
+    assert _run(att, kern, q, k, v, [10**12], now, comfy)[0] > 0 and len(comfy.calls) == 2
+    assert report.STATS["replans"] == 1
+
+
+def _plan(peak, launches=1, kind="head_groups", reasons=()):
+    return SimpleNamespace(peak_bytes=peak, launches=launches, kind=kind, reasons=reasons)
+
+
+def test_plan_on_ladder_rule():
+    direct, groups = _plan(500), _plan(100, launches=4)
+    assert B.plan_on_ladder({1000: direct}, 1000) is direct
+    assert B.plan_on_ladder({1000: direct}, 600) is direct          # fits a smaller budget
+    assert B.plan_on_ladder({1000: direct}, 499) is None            # does not: re-plan
+    assert B.plan_on_ladder({1000: direct}, 10**9) is direct        # one launch: nothing better
+    ladder = {1000: direct, 300: groups}
+    assert B.plan_on_ladder(ladder, 499) is groups and B.plan_on_ladder(ladder, 700) is direct
+    assert B.plan_on_ladder({300: groups}, 599) is groups           # degraded, under 2x: kept
+    assert B.plan_on_ladder({300: groups}, 600) is None             # degraded, 2x: planned again
+    assert B.plan_on_ladder(ladder, 10**9) is direct, "the best known plan fits: not degraded"
+    pressure = _plan(0, kind="sdpa", reasons=("k: no plan within the 0 MiB memory budget (copies): x",))
+    rule = _plan(0, kind="sdpa", reasons=("k: head_dim 80 not in (64, 128)",))
+    assert B.degraded(pressure) and not B.degraded(rule) and not B.degraded(_plan(1, kind="direct"))
+    assert B.plan_on_ladder({0: pressure}, 1) is None and B.plan_on_ladder({0: rule}, 10**9) is rule
