@@ -16,7 +16,9 @@ SafeSage's fix (docs/REPRODUCTION.md; results in bench/results/repro_*.json).
 Modules, one job each: arms (sizes and configurations), workflow (the graph a row queues),
 worker (one server per row), probe_pack (the harness's node pack inside that server: timings,
 residency, memory, OOM attribution, the --emulate-arch start-up hook), memory (NVML peak and the
-OOM attribution), av_stub (PyAV's stand-in where it is missing), logs (what a server log says), soak (one server, many prompts), driver (the plan, ballast, latents, rel. L2),
+OOM attribution), replans (a row's re-plans and their stall, from /safesage/stats), av_stub
+(PyAV's stand-in where it is missing), logs (what a server log says), soak (one server, many
+prompts), driver (the plan, ballast, latents, rel. L2),
 verdict (the tables and the silently-wrong call).
 
 Run from the repository root (``python -m bench.repro``); the package imports no torch at import time.

@@ -175,8 +175,12 @@ def driver(a, argv=()) -> dict:
                 print("[repro] first arm failed; stopping (--fail-fast)", flush=True)
                 return doc
             w = run["worker"]
+            if "replans_per_run" in w:         # a guarded row: its run's re-plans (replans.py)
+                doc.setdefault("replans", {})[f"{size}:{arm}"] = {k: w[k] for k in ("replans_per_run", "replan_stall_ms")}
+                save()
             print(f"[repro] {size:>5} {arm:<14} {run['outcome']}  wall {run['wall_s']}s  "
-                  f"S={w.get('packed_tokens')} steps={w.get('s_per_step')} rel={run.get('rel_l2_vs_pytorch')}", flush=True)
+                  f"S={w.get('packed_tokens')} steps={w.get('s_per_step')} rel={run.get('rel_l2_vs_pytorch')}"
+                  f" replans={w.get('replans_per_run')} stall_ms={w.get('replan_stall_ms')}", flush=True)
     finally:
         if ballast is not None:
             ballast.stop()

@@ -19,7 +19,7 @@ import shlex
 import sys
 import time
 
-from . import arms, workflow
+from . import arms, replans, workflow
 from .worker import make_server
 
 MEMORY = "/safesage_repro/memory"
@@ -50,7 +50,8 @@ def _sample(server, what: str, t0: float, **extra) -> dict:
     try:
         st = server.get_json("/safesage/stats")
         row["safesage"] = {k: st.get(k) for k in ("attention_calls", "fallbacks", "kernel_errors", "probes",
-                                                  "probe_failures", "oom_fallbacks", "call_fallbacks")}
+                                                  "probe_failures", "oom_fallbacks", "call_fallbacks",
+                                                  "replans", "replan_us")}
         row["safesage"]["plans"] = len(st.get("plans") or {})
     except Exception:       # noqa: BLE001 - an arm without SafeSage has no such route
         pass
@@ -104,6 +105,7 @@ def run_soak(*, comfy, ckpt, arm, size, work, prompts=20, steps=2, seed=77, cpu=
     finally:
         server.stop()
     doc["wall_s"] = round(time.time() - t0, 1)
+    doc["replans_per_prompt"] = replans.per_prompt([x for x in doc["samples"] if x["what"] != "server up"])
     doc["verdict"] = verdict(doc)
     return doc
 

@@ -14,7 +14,8 @@ Where each finding comes from:
   timings, packed sequence, weight residency, torch peak memory, OOM attribution
               the probe pack, inside the server (its JSON file survives an abort)
   NVML peak   this process (memory.NvmlPeak), from before the server starts to its end
-  SafeSage    the SafeSageAttention node's UI text in /history, and /safesage/stats
+  SafeSage    the SafeSageAttention node's UI text in /history, and /safesage/stats (with
+              ``replans_per_run`` / ``replan_stall_ms`` read from it: replans.py)
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from tools.harness import comfy_process as _launcher
 
 from . import arms, logs, memory, workflow
+from .replans import replan_fields
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -146,6 +148,7 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
         try:
             if guarded:
                 w["safesage_report"] = server.get_json("/safesage/stats")
+                w.update(replan_fields(w["safesage_report"]))     # one prompt per server: per run
             w["system_stats_after"] = server.get_json("/system_stats").get("devices")
         except Exception as e:  # noqa: BLE001 - evidence only
             w["stats_error"] = repr(e)

@@ -6,7 +6,8 @@ What it checks: the graph a row queues runs through ComfyUI's own loader, latent
 and scheduler nodes (and SafeSageAttention at the defaults the running node declares); the probe
 pack's findings reach the row (steps timed, the packed sequence measured on the latent the sampler
 got, which is the latent SaveLatent wrote); the --emulate-arch start-up hook reaches SafeSage inside
-the server (its status line names sm_120 on this CPU); /safesage/stats counts the row's forwards;
+the server (its status line names sm_120 on this CPU); /safesage/stats counts the row's forwards
+(and its re-plans: replans_per_run);
 the guarded row matches the PyTorch row within the tolerance test_comfy_h3.py uses; and a prompt
 that fails in ComfyUI becomes a "Python error" row with ComfyUI's exception line.
 """
@@ -75,6 +76,9 @@ def test_emulated_arch_reaches_safesage_in_the_server(driver_run, tiny_h3):
     rep = w["safesage_report"]
     assert rep["forwards"] == STEPS
     assert rep["attention_calls"] == tiny_h3["blocks"] * STEPS
+    # the run's re-plans (bench/repro/replans.py): none on the CPU, where no memory budget moves
+    assert (w["replans_per_run"], w["replan_stall_ms"]) == (0, 0.0)
+    assert driver_run[0]["replans"] == {"tiny:safesage": {"replans_per_run": 0, "replan_stall_ms": 0.0}}
 
 
 def test_a_prompt_error_is_a_python_error_row(tmp_path, tiny_h3):

@@ -138,3 +138,17 @@ def test_committed_first_run_still_reads_as_docs_reproduction_states():
               for ln in text.splitlines() if "process abort: SIGABRT" in ln]
     assert aborts == ["100k " + arms.ARM_LABEL["sage"], "169k " + arms.ARM_LABEL["sage"],
                       "169k " + arms.ARM_LABEL["sage_blocking"], "169k " + arms.ARM_LABEL["sage_nodyn"]]
+
+
+def test_replans_per_run_and_stall_read_from_the_stats_route():
+    """bench/repro/replans.py: what a row's /safesage/stats says about re-planning (issue 29 point 2)."""
+    from bench.repro.replans import per_prompt, replan_fields
+    assert replan_fields(None) == {"replans_per_run": None, "replan_stall_ms": None}
+    assert replan_fields({"plans": {"k": "direct"}}) == {"replans_per_run": 0, "replan_stall_ms": 0.0}
+    assert replan_fields({"plans": {}, "replans": 2, "replan_us": 140_250}) == \
+        {"replans_per_run": 2, "replan_stall_ms": 140.25}
+    assert replan_fields({"plans": {}, "replans": 1}) == {"replans_per_run": 1, "replan_stall_ms": None}
+    soak = [{"what": "after prompt 1", "safesage": {"replans": 1, "replan_us": 16_000}},
+            {"what": "after prompt 2", "safesage": {"replans": 1, "replan_us": 16_000}},
+            {"what": "after prompt 3", "safesage": {"replans": 3, "replan_us": 100_000}}]
+    assert [(r["replans"], r["replan_stall_ms"]) for r in per_prompt(soak)] == [(1, 16.0), (0, 0.0), (2, 84.0)]
