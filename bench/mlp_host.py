@@ -18,8 +18,10 @@ a few microseconds of CPU matmul, so what is timed is mostly host work. Two case
 ``host_us_per_call`` = patched call - baseline, each its fastest round (same process, interleaved).
 ``--label before|after`` names the code measured (``--merge`` adds it to an existing JSON), so one
 file holds the numbers of the code before a change (run from a checkout of it with this file copied
-in) and after it.
+in, ``--code-rev`` naming it) and after it.
 
+    (cd <checkout of the old commit> && COMFYUI_PATH=... python3 -m bench.mlp_host --label before \
+        --code-rev <commit> --merge --out <repo>/bench/results/mlp_host_cpu.json)
     COMFYUI_PATH=<ComfyUI 0dd9b154> python3 -m bench.mlp_host --label after --merge \\
         --out bench/results/mlp_host_cpu.json
 """
@@ -156,10 +158,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--label", default="after", help="which code this measures (before / after a change)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", action="store_true", help="add this label to --out's existing JSON")
+    ap.add_argument("--code-rev", default=None, help="the measured code's commit, where it is not a git checkout")
     a = ap.parse_args(argv)
     import torch
     res = measure(a.calls, a.rounds)
-    row = {"command": command("mlp_host"), "code_rev": _rev(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+    row = {"command": command("mlp_host"), "code_rev": a.code_rev or _rev(), "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                      time.gmtime()),
            **res}
     doc = {}
