@@ -20,7 +20,7 @@ a few microseconds of CPU matmul, so what is timed is mostly host work. Two case
 file holds the numbers of the code before a change (run from a checkout of it with this file copied
 in, ``--code-rev`` naming it) and after it.
 
-    (cd <checkout of the old commit> && COMFYUI_PATH=... python3 -m bench.mlp_host --label before \
+    (cd <checkout of the old commit> && COMFYUI_PATH=... python3 -m bench.mlp_host --label before \\
         --code-rev <commit> --merge --out <repo>/bench/results/mlp_host_cpu.json)
     COMFYUI_PATH=<ComfyUI 0dd9b154> python3 -m bench.mlp_host --label after --merge \\
         --out bench/results/mlp_host_cpu.json
