@@ -15,6 +15,7 @@ from . import _backend
 KERNELS = ["auto", "sage", "sdpa"]
 MLP_CHUNKING = ["auto", "off", "tokens"]
 VERIFY = ["first", "every", "off"]
+QUALITY = ["balanced", "strict", "faults only"]
 
 TIP_MODEL = (
     "The diffusion model straight from your loader (e.g. Load Diffusion Model / UNETLoader). "
@@ -56,6 +57,24 @@ TIP_VERIFY = (
     "every: check every call (slower; for diagnosing). "
     "off: no check."
 )
+TIP_QUALITY = (
+    "Holds each block's attention error to a target (MiniMax H3's last blocks drift on INT8 SageAttention: "
+    "morphing, garbled text). At the first sampling step SafeSage measures every block's error on 1,024 "
+    "sampled query rows against ComfyUI's own attention (about 0.2% of a 30-step run), and from step 2 a "
+    "block over its target runs the fastest kernel under it: SageAttention, comfy-kitchen INT8 attention, or "
+    "ComfyUI's own attention. The choices hold for the rest of the run; per block in /safesage/stats. "
+    "balanced: the target is 4.4x the median error of the kernel over the run's blocks (measured: normal "
+    "blocks stay under it, outlier blocks land above it). strict: 2x the median and at most 0.02. "
+    "faults only: no per-block measurement (crash and noise guards only)."
+)
+TIP_PROBE_STEP = (
+    "Optional: measure the blocks once more at this sampling step (1-based) and report it in "
+    "/safesage/stats; it never changes a choice. 0: off."
+)
+TIP_EXACT_STEPS = (
+    "Optional: the first and the last N sampling steps run ComfyUI's own attention (what SageAttention's "
+    "authors advise for the steps that set composition and fine detail). 0: off."
+)
 TIP_DEBUG_SYNC = (
     "Diagnostics only; slows sampling down. Waits for the GPU after every guarded call, so a GPU "
     "fault is reported at the call that caused it instead of at some later, unrelated line "
@@ -88,12 +107,18 @@ class SafeSageAttention(io.ComfyNode):
                 ),
                 io.Combo.Input("verify", options=VERIFY, default="first", tooltip=TIP_VERIFY),
                 io.Boolean.Input("debug_sync", default=False, tooltip=TIP_DEBUG_SYNC),
+                # optional: workflows saved before these inputs existed load with the defaults
+                io.Combo.Input("quality", options=QUALITY, default="balanced", tooltip=TIP_QUALITY, optional=True),
+                io.Int.Input("quality_probe_step", default=0, min=0, max=10000, tooltip=TIP_PROBE_STEP,
+                             optional=True),
+                io.Int.Input("exact_steps", default=0, min=0, max=10000, tooltip=TIP_EXACT_STEPS, optional=True),
             ],
             outputs=[io.Model.Output()],
         )
 
     @classmethod
-    def execute(cls, *, model, kernel, mlp_chunking, mlp_chunk_tokens, verify, debug_sync) -> io.NodeOutput:
+    def execute(cls, *, model, kernel, mlp_chunking, mlp_chunk_tokens, verify, debug_sync, quality="balanced",
+                quality_probe_step=0, exact_steps=0) -> io.NodeOutput:
         Policy, apply_safesage, _report = _backend.require()
         policy = Policy(
             kernel=kernel,
@@ -101,6 +126,9 @@ class SafeSageAttention(io.ComfyNode):
             mlp_chunk_tokens=int(mlp_chunk_tokens),
             verify=verify,
             debug_sync=bool(debug_sync),
+            quality=quality,
+            probe_step=int(quality_probe_step),
+            exact_steps=int(exact_steps),
         )
         patched, summary = apply_safesage(model, policy)
         if patched is model:
