@@ -169,7 +169,11 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
                         "attention_pytorch instead" if kind else ""))
     lines += layer_lines
     if attn.quality.active:
-        nb = install_block_index(m, _diffusion_model(m))
+        try:
+            nb = install_block_index(m, _diffusion_model(m))
+        except Exception as e:  # noqa: BLE001 - see contain.py
+            contain.internal_error(e, "installing the H3 block index", "blocks are told apart by call order")
+            nb = 0
         lines.append(_quality_line(policy, attn, nb))
 
     # Count forwards, and mark where a sampling run ends (idempotent: removed, then added under

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .. import contain
+
 PATCH_NAME = "dit"
 BLOCK_NAME = "double_block"
 
@@ -27,13 +29,22 @@ class BlockIndex:
         self.index = index
         self.previous = previous
 
+    @contain.boundary
     def __call__(self, args: dict, extra: dict) -> Any:
-        to = args.get("transformer_options")
-        if isinstance(to, dict):
-            to["block_index"] = self.index
+        # ComfyUI's H3 forward calls this: an error of SafeSage's in marking the block is contained
+        # (the block runs unmarked: counted by call order); the block's own errors pass through
+        try:
+            self.mark(args)
+        except Exception as e:  # noqa: BLE001 - see contain.py
+            contain.internal_error(e, "the H3 block index", "this block's calls are told apart by call order")
         if self.previous is not None:
             return self.previous(args, extra)
         return extra["original_block"](args)
+
+    def mark(self, args: dict) -> None:
+        to = args.get("transformer_options")
+        if isinstance(to, dict):
+            to["block_index"] = self.index
 
 
 def install_block_index(model_patcher: Any, diffusion_model: Any) -> int:

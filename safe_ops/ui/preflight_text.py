@@ -131,4 +131,18 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
     (arguments as ``preflight.assess``; ``model_note``: a line on the connected model)."""
     a = assess(width, height, length, ref_images, text_tokens, policy, rt, free_bytes, comfy_wants_sage)
     lines, warnings = report_lines(a, model_note)
+    lines += quality_lines(policy, rt)
     return {"text": "\n".join(lines), "tokens": a.tokens, "warnings": warnings, "verdicts": a.verdicts}
+
+
+def quality_lines(policy, rt=None) -> list[str]:
+    """What the quality guard (``quality`` on SafeSage Attention) can move a block to on this machine."""
+    from ..facts.devices import runtime
+    q = getattr(policy, "quality", "balanced") if policy is not None else "balanced"
+    if q == "faults only":
+        return ["quality guard: faults only (no per-block error measurement)"]
+    rt = rt or runtime()
+    fams = [f for f in (rt.sage_family, rt.ck_family) if f]       # what sageattn / comfy-kitchen run here
+    have = ", ".join(fams) if fams else "no SageAttention or comfy-kitchen kernel usable here"
+    return [f"quality guard ({q}): kernels here a block over its target can move to: "
+            f"{have}; then ComfyUI's own attention (always under the target: it is the reference)"]

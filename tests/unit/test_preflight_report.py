@@ -219,3 +219,12 @@ def test_comfy_kitchen_attention_in_the_report():
     none = replace(H200_SAGE22, ck_error="comfy-kitchen 0.2.26 has no int8_attention (needs >= 0.2.29)")
     n = preflight_report(1280, 720, 1201, rt=none, comfy_wants_sage=True, free_bytes=80 * GiB)
     assert "[comfy-kitchen int8_attention] not usable here: comfy-kitchen 0.2.26 has no int8_attention" in n["text"]
+
+
+def test_preflight_lists_the_quality_guards_candidates_here():
+    text = preflight_report(1664, 960, 362, ref_images=3, rt=H200_SAGE22, comfy_wants_sage=True)["text"]
+    line = next(ln for ln in text.splitlines() if ln.startswith("quality guard (balanced)"))
+    fams = [f for f in (H200_SAGE22.sage_family, H200_SAGE22.ck_family) if f]
+    assert fams and ", ".join(fams) in line and line.endswith("it is the reference)")
+    off = preflight_report(1664, 960, 362, rt=H200_SAGE22, policy=Policy(quality="faults only"))["text"]
+    assert "quality guard: faults only" in off and "quality guard (" not in off
