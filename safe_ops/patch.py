@@ -17,7 +17,7 @@ from .facts import compiler
 from . import contain
 from .ui import run_stats
 from .attention.override import SafeAttention
-from .attention.special_calls import compiling
+from .attention.special_calls import capturing, compiling
 from .quality import guard as quality_guard
 from .quality.blocks import install_block_index
 from .attention.comfy_functions import function_name, unguarded_kind
@@ -54,8 +54,8 @@ def _forward_wrapper(executor, *args, **kwargs):
 
 
 def _forward_start(args: tuple, kwargs: dict) -> None:
-    if compiling():
-        return                       # traced: the guard reads no step here (its calls run as planned)
+    if compiling() or capturing():
+        return                       # traced / captured: no host read here (the calls run as planned)
     to = kwargs.get("transformer_options")
     if not isinstance(to, dict):     # models pass it positionally at different places
         to = next((a for a in args if isinstance(a, dict) and OVERRIDE_KEY in a), None)
