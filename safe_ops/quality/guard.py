@@ -280,6 +280,8 @@ def _entry(c: targets.Choice) -> dict:
 
 def _publish(kind: str, value: dict) -> None:
     with _LAST_LOCK:
+        if kind == "choices":
+            _LAST.pop("later", None)          # a later step's report belongs to the run it was measured in
         _LAST[kind] = value
         run_stats.set_info("quality_last_run", dict(_LAST))
 
