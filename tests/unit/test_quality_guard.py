@@ -1,0 +1,294 @@
+"""The quality guard (safe_ops/quality/) driven through SafeAttention on the CPU, no ComfyUI.
+
+Two fake families (fake_quality_families.py, registered through SAFESAGE_EXTRA_FAMILIES): fake_sage
+quantises q/k per token, so its error grows with a few scaled-up q/k channels; fake_kitchen adds a
+known relative error KITCHEN_ERROR whatever the data. A stack of NB "blocks" (one attention call
+each), blocks OUTLIERS with 2 of 32 q/k channels x32 / x64 (fake_sage ~0.05-0.07 rel. L2 there,
+~0.008 on the benign blocks: 6x-9x the run's median, the benign ones within 1.1x of it). The
+schedule is handed the way ComfyUI does (``sigmas`` / ``sample_sigmas`` in transformer_options),
+and the run ends as patch.py's OUTER_SAMPLE wrapper ends it.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+NB, OUTLIERS, BENIGN = 8, (6, 7), tuple(range(6))
+B, H, S, D = 1, 4, 2048, 32
+SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+@pytest.fixture(scope="module")
+def fq():
+    """The fake families registered as a server started with SAFESAGE_EXTRA_FAMILIES has them
+    (the registry reads the variable when first imported: reloaded here, and back after)."""
+    from safe_ops.families import envelope, registry
+    sys.path.insert(0, str(HERE))
+    old = os.environ.get(registry.EXTRA_FAMILIES_VARIABLE)
+    os.environ[registry.EXTRA_FAMILIES_VARIABLE] = "fake_quality_families"
+    importlib.reload(registry)
+    import fake_quality_families
+    assert fake_quality_families.SAGE in registry.families()
+    yield fake_quality_families
+    if old is None:
+        os.environ.pop(registry.EXTRA_FAMILIES_VARIABLE, None)
+    else:
+        os.environ[registry.EXTRA_FAMILIES_VARIABLE] = old
+    importlib.reload(registry)
+    for name in (fake_quality_families.SAGE, fake_quality_families.KITCHEN):
+        envelope.FAMILIES.pop(name, None)
+    sys.path.remove(str(HERE))
+
+
+@pytest.fixture
+def fresh(fq):
+    from safe_ops.facts import compiler
+    from safe_ops.ui import run_stats
+    run_stats.reset()
+    compiler.new_run()
+    for k in fq.LAUNCHES:
+        fq.LAUNCHES[k] = 0
+    yield fq
+    compiler.new_run()
+
+
+def blocks():
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for b in range(NB):
+        q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+        if b in OUTLIERS:
+            f = 32 if b == OUTLIERS[0] else 64
+            q[..., :2] *= f
+            k[..., :2] *= f
+        out.append((q, k, v))
+    return out
+
+
+COMFY_CALLS = []
+
+
+def comfy_fn(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False, **kw):
+    """ComfyUI's own attention (what SafeSage falls back to and measures against)."""
+    COMFY_CALLS.append(q.shape[2])
+    return SDPA(q, k, v, scale=kw.get("scale"))
+
+
+def make(**policy):
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.facts.devices import Runtime
+    from safe_ops.policy import Policy
+    rt = Runtime("test", None, None, None, None, None, "test", None, None, None)    # a machine without CUDA
+    return SafeAttention(Policy(kernel="sage", **policy), rt=rt)
+
+
+def schedule(steps):
+    return torch.linspace(1.0, 0.0, steps + 1)
+
+
+def forward(att, data, sched, step, index=True):
+    """One model forward at ``step`` (1-based): the DIFFUSION_MODEL wrapper's forward_start, then
+    one attention call per block."""
+    att.quality.forward_start({"sigmas": sched[step - 1:step].clone(), "sample_sigmas": sched})
+    outs = []
+    for b, (q, k, v) in enumerate(data):
+        to = {"block_index": b} if index else {}
+        outs.append(att(comfy_fn, q, k, v, H, skip_reshape=True, skip_output_reshape=True, transformer_options=to))
+    return outs
+
+
+def end_run():
+    from safe_ops.facts import compiler
+    from safe_ops.quality import guard
+    guard.run_ended()
+    compiler.new_run()
+
+
+def sample(att, data, steps, index=True):
+    sched = schedule(steps)
+    outs = [forward(att, data, sched, s, index) for s in range(1, steps + 1)]
+    end_run()
+    return outs
+
+
+def stats():
+    from safe_ops.ui import run_stats
+    return run_stats.snapshot()
+
+
+def choices():
+    return {c["block"]: c for c in stats()["quality_last_run"]["choices"]["blocks"]}
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def fake_sage_out(fq, q, k, v):
+    return SDPA(fq.quantise(q, fq.SAGE_LEVELS, -1), fq.quantise(k, fq.SAGE_LEVELS, -1), v)
+
+
+# ------------------------------------------------------------------------------------------------
+def test_outlier_blocks_move_to_kitchen_benign_stay_on_sage_choices_hold(fresh):
+    fq, data = fresh, blocks()
+    att = make(quality="balanced")
+    assert att.quality_order(None) == [fq.SAGE, fq.KITCHEN]
+    outs = sample(att, data, 3)
+    ch = choices()
+    assert sorted(ch) == list(range(NB))
+    for b in OUTLIERS:
+        assert ch[b]["family"] == fq.KITCHEN and ch[b]["moved"], ch[b]
+        assert ch[b]["planned"] == fq.SAGE and ch[b]["planned_error"] > ch[b]["target"] >= ch[b]["error"], ch[b]
+    for b in BENIGN:
+        assert ch[b]["family"] == fq.SAGE and not ch[b]["moved"], ch[b]
+        assert ch[b]["planned_error"] <= ch[b]["target"], ch[b]
+    q = stats()["quality"]
+    assert q["probes"] == NB and q["plan_changes"] == 1 and q["blocks_moved"] == len(OUTLIERS), q
+    assert q["moved_calls"] == len(OUTLIERS) * 2, q            # steps 2 and 3
+    # step 1 ran as planned and was not recomputed: one fake_sage launch per block, its output
+    for b, (qq, k, v) in enumerate(data):
+        exact = SDPA(qq, k, v)
+        assert rel(outs[0][b], fake_sage_out(fq, qq, k, v)) < 1e-4, b
+        for step in (1, 2):                                    # steps 2 and 3: the choice holds
+            if b in OUTLIERS:
+                assert abs(rel(outs[step][b], exact) - fq.KITCHEN_ERROR) < 1e-3, (b, step)
+            else:
+                assert rel(outs[step][b], fake_sage_out(fq, qq, k, v)) < 1e-4, (b, step)
+    # the candidates ran on the sampled rows of every block at step 1 only
+    assert fq.LAUNCHES[fq.SAGE] == NB + 2 * len(BENIGN), fq.LAUNCHES
+    assert fq.LAUNCHES[fq.KITCHEN] == NB + 2 * len(OUTLIERS), fq.LAUNCHES
+
+
+def test_a_new_run_measures_again(fresh):
+    fq, data = fresh, blocks()
+    att = make(quality="balanced")
+    sample(att, data, 2)
+    sample(att, data, 2)
+    q = stats()["quality"]
+    assert q["probes"] == 2 * NB and q["plan_changes"] == 2 and q["moved_calls"] == 2 * len(OUTLIERS), q
+    # the second run's step 1 ran as planned again (fake_sage on every block)
+    assert fq.LAUNCHES[fq.SAGE] == 2 * (NB + len(BENIGN)), fq.LAUNCHES
+
+
+def test_no_candidate_under_target_goes_to_comfys_own(fresh, monkeypatch):
+    fq, data = fresh, blocks()
+    monkeypatch.setattr(fq, "KITCHEN_ERROR", 0.5)
+    att = make(quality="balanced")
+    outs = sample(att, data, 2)
+    ch = choices()
+    for b in OUTLIERS:
+        assert ch[b]["family"] == "sdpa" and ch[b]["candidates"][fq.KITCHEN] > ch[b]["target"], ch[b]
+        qq, k, v = data[b]
+        assert torch.equal(outs[1][b], comfy_fn(qq, k, v, H)), b          # exactly ComfyUI's function's
+    for b in BENIGN:
+        assert ch[b]["family"] == fq.SAGE, ch[b]
+    assert stats()["quality"]["moved_calls"] == len(OUTLIERS)
+
+
+def test_faults_only_measures_and_moves_nothing(fresh):
+    fq, data = fresh, blocks()
+    att = make(quality="faults only")
+    assert not att.quality.active
+    outs = sample(att, data, 3)
+    q = stats()["quality"]
+    assert q["probes"] == 0 and q["report_probes"] == 0 and q["plan_changes"] == 0 and q["moved_calls"] == 0, q
+    assert fq.LAUNCHES[fq.KITCHEN] == 0 and fq.LAUNCHES[fq.SAGE] == 3 * NB, fq.LAUNCHES
+    qq, k, v = data[OUTLIERS[-1]]
+    assert rel(outs[2][OUTLIERS[-1]], fake_sage_out(fq, qq, k, v)) < 1e-4
+
+
+def test_exact_steps_run_comfys_own_first_and_last(fresh):
+    fq, data = fresh, blocks()
+    att = make(quality="faults only", exact_steps=1)
+    COMFY_CALLS.clear()
+    outs = sample(att, data, 4)
+    q = stats()["quality"]
+    assert q["exact_calls"] == 2 * NB, q
+    assert fq.LAUNCHES[fq.SAGE] == 2 * NB, fq.LAUNCHES          # steps 2 and 3 only
+    for step in (0, 3):
+        for b, (qq, k, v) in enumerate(data):
+            assert torch.equal(outs[step][b], SDPA(qq, k, v)), (step, b)
+    for b, (qq, k, v) in enumerate(data):
+        assert rel(outs[1][b], fake_sage_out(fq, qq, k, v)) < 1e-4
+
+
+def test_a_later_probe_step_only_reports(fresh):
+    fq, data = fresh, blocks()
+    att = make(quality="balanced", probe_step=3)
+    outs = sample(att, data, 4)
+    q = stats()["quality"]
+    assert q["probes"] == NB and q["report_probes"] == NB and q["plan_changes"] == 1, q
+    assert q["moved_calls"] == 3 * len(OUTLIERS), q           # steps 2, 3 (the report step) and 4
+    later = stats()["quality_last_run"]["later"]
+    assert later["step"] == 3 and len(later["blocks"]) == NB
+    fam = {e["block"]: e["family"] for e in later["blocks"]}
+    assert all(fam[b] == fq.KITCHEN for b in OUTLIERS) and all(fam[b] == fq.SAGE for b in BENIGN), fam
+    ch = choices()
+    assert all(ch[b]["family"] == fq.KITCHEN for b in OUTLIERS), ch
+    for b in OUTLIERS:
+        qq, k, v = data[b]
+        assert abs(rel(outs[2][b], SDPA(qq, k, v)) - fq.KITCHEN_ERROR) < 1e-3, b
+
+
+def test_out_of_memory_in_the_probe_is_inconclusive_block_keeps_its_plan(fresh, monkeypatch):
+    fq, data = fresh, blocks()
+    from safe_ops.quality import guard
+    real, seen = guard.reference, []
+
+    def oom_on_last_block(fn, q_rows, k, v, scale, max_bytes):
+        seen.append(1)
+        if len(seen) == NB:                   # step 1's last block (an outlier)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (fake)")
+        return real(fn, q_rows, k, v, scale, max_bytes)
+
+    monkeypatch.setattr(guard, "reference", oom_on_last_block)
+    att = make(quality="balanced")
+    outs = sample(att, data, 2)                 # the call does not fail
+    q = stats()["quality"]
+    assert q["inconclusive"] == 1 and q["probes"] == NB - 1, q
+    ch = choices()
+    last = OUTLIERS[-1]
+    assert ch.get(last, {}).get("family", fq.SAGE) == fq.SAGE and not ch.get(last, {}).get("moved", False), ch
+    assert ch[OUTLIERS[0]]["family"] == fq.KITCHEN, ch            # the other outlier still moved
+    qq, k, v = data[last]
+    assert rel(outs[0][last], fake_sage_out(fq, qq, k, v)) < 1e-4
+    assert rel(outs[1][last], fake_sage_out(fq, qq, k, v)) < 1e-4  # kept its plan at step 2
+
+
+def test_out_of_memory_in_a_candidate_is_inconclusive(fresh, monkeypatch):
+    fq, data = fresh, blocks()
+    from safe_ops.attention.override import SafeAttention
+
+    def oom(self, family, n, q_rows):
+        raise torch.OutOfMemoryError("CUDA out of memory (fake)")
+
+    monkeypatch.setattr(SafeAttention, "_run_family_rows", oom)
+    att = make(quality="balanced")
+    outs = sample(att, data, 2)
+    q = stats()["quality"]
+    assert q["inconclusive"] == NB and q["probes"] == 0 and q["moved_calls"] == 0 and q["plan_changes"] == 0, q
+    for b, (qq, k, v) in enumerate(data):
+        assert rel(outs[1][b], fake_sage_out(fq, qq, k, v)) < 1e-4, b
+
+
+def test_without_block_index_the_nth_call_of_the_forward_is_the_block(fresh):
+    fq, data = fresh, blocks()
+    att = make(quality="balanced")
+    outs = sample(att, data, 3, index=False)
+    ch = choices()
+    assert sorted(b for b, c in ch.items() if c["moved"]) == list(OUTLIERS), ch
+    assert stats()["quality"]["moved_calls"] == 2 * len(OUTLIERS)
+    for step in (1, 2):                     # the ordinal restarts with each forward
+        for b in OUTLIERS:
+            qq, k, v = data[b]
+            assert abs(rel(outs[step][b], SDPA(qq, k, v)) - fq.KITCHEN_ERROR) < 1e-3, (b, step)
+        for b in BENIGN:
+            qq, k, v = data[b]
+            assert rel(outs[step][b], fake_sage_out(fq, qq, k, v)) < 1e-4, (b, step)
