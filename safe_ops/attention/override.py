@@ -242,8 +242,8 @@ class SafeAttention(PlanChoice, ContextCalls):
         n.prepared = p
         plan = self._within_budget(p, q.device)
         st = n.run
-        if st is not None and st.mode in (quality_guard.CHOSEN, quality_guard.EXACT):
-            plan = self._quality_plan(p, plan, st, n)
+        if st is not None and st.mode in (quality_guard.CHOSEN, quality_guard.EXACT, quality_guard.REPORT):
+            plan = self._quality_plan(p, plan, st, n)   # the report step runs the choices too
             if plan is None:
                 return None             # ComfyUI's own attention, as the quality guard chose
         run_stats.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
