@@ -1,0 +1,125 @@
+"""safe_ops/quality/targets.py: the per-block choice, and the balanced target's constant held
+between the committed H200 measurements (bench/results/quality_guard_*_h200.json)."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from safe_ops.policy import QUALITY as POLICY_QUALITY
+from safe_ops.quality.targets import (BALANCED_FACTOR, COMFY, QUALITY, STRICT_ERROR, STRICT_FACTOR, BlockErrors,
+                                      decide, summary_lines, target_for)
+
+REPO = Path(__file__).resolve().parents[2]
+K = ("bf16", 128)                    # a class of call
+ORDER = ["sage_x", "ck_y"]           # the families a block may move to, fastest first
+
+
+def blk(i, err, **cands):
+    return BlockErrors(i, K, "sage_x", err, dict(cands))
+
+
+def by_block(choices):
+    return {c.block: c for c in choices}
+
+
+def test_quality_names_match_the_policy():
+    assert QUALITY == POLICY_QUALITY
+
+
+def test_within_target_stays():
+    # median 0.010 -> balanced target 0.044: 0.040 stays, as does everything below
+    ch = by_block(decide([blk(0, 0.010), blk(1, 0.009), blk(2, 0.011), blk(3, 0.040, ck_y=0.001)], "balanced", ORDER))
+    assert all(c.family == "sage_x" and not c.moved for c in ch.values())
+    assert ch[3].target == pytest.approx(BALANCED_FACTOR * 0.0105)
+
+
+def test_over_target_moves_to_the_first_candidate_under_it_in_order():
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=0.015, other=0.001)]
+    ch = by_block(decide(ms, "balanced", ["sage_x", "other", "ck_y"]))
+    assert ch[4].family == "other" and ch[4].moved and ch[4].error == 0.001 and ch[4].planned_error == 0.060
+    ch = by_block(decide(ms, "balanced", ["sage_x", "ck_y", "other"]))
+    assert ch[4].family == "ck_y" and ch[4].error == 0.015
+    assert "over target" in ch[4].why
+    assert sum(c.moved for c in ch.values()) == 1
+
+
+def test_a_candidate_over_target_or_unrun_is_skipped():
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=0.050, other=None)]
+    ch = by_block(decide(ms, "balanced", ["sage_x", "other", "ck_y"]))
+    assert ch[4].family == COMFY and ch[4].moved and ch[4].error is None
+    assert "could not run" in ch[4].why and "ck_y 0.050" in ch[4].why
+
+
+def test_no_candidate_goes_to_comfys_own():
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060)]
+    ch = by_block(decide(ms, "balanced", ORDER))
+    assert ch[4].family == COMFY and "no other candidate" in ch[4].why
+
+
+def test_inconclusive_keeps_its_plan_and_does_not_set_the_median():
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, None, ck_y=0.001), blk(5, 0.060, ck_y=0.001)]
+    ch = by_block(decide(ms, "balanced", ORDER))
+    assert ch[4].family == "sage_x" and not ch[4].moved and "inconclusive" in ch[4].why
+    assert ch[5].family == "ck_y"
+    assert ch[5].target == pytest.approx(BALANCED_FACTOR * 0.010)
+
+
+def test_strict_has_a_ceiling():
+    # median 0.015: 2 x 0.015 = 0.030 > STRICT_ERROR -> the ceiling is the target
+    ms = [blk(i, 0.015, ck_y=0.005) for i in range(4)] + [blk(4, 0.025, ck_y=0.005)]
+    ch = by_block(decide(ms, "strict", ORDER))
+    assert target_for("strict", 0.015) == STRICT_ERROR < STRICT_FACTOR * 0.015
+    assert all(c.target == STRICT_ERROR for c in ch.values())
+    assert ch[4].family == "ck_y" and all(ch[i].family == "sage_x" for i in range(4))
+    # the same errors under balanced move nothing
+    assert not any(c.moved for c in decide(ms, "balanced", ORDER))
+    # a low median: strict's relative target is below the ceiling
+    assert target_for("strict", 0.004) == pytest.approx(STRICT_FACTOR * 0.004)
+
+
+def test_faults_only_has_no_target():
+    ms = [blk(i, 0.010, ck_y=0.0) for i in range(4)] + [blk(4, 0.9, ck_y=0.0)]
+    assert not any(c.moved for c in decide(ms, "faults only", ORDER))
+    assert target_for("faults only", 0.01) is None
+
+
+def test_medians_are_per_family_and_class():
+    # another class with a 4x larger benign error is not moved by the first class's median
+    other = [BlockErrors(i, ("fp16", 64), "sage_x", 0.040, {"ck_y": 0.001}) for i in range(4)]
+    ch = decide([blk(i, 0.010, ck_y=0.001) for i in range(4)] + other, "balanced", ORDER)
+    assert not any(c.moved for c in ch)
+
+
+def test_summary_lines_group_consecutive_blocks():
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=0.002), blk(5, 0.070, ck_y=0.002)]
+    lines = summary_lines(decide(ms, "balanced", ORDER))
+    assert lines[0].startswith("blocks 0-3: sage_x (")
+    assert lines[1].startswith("blocks 4-5: ck_y -- sage_x 0.060-0.070 over target")
+
+
+@pytest.mark.parametrize("name", ["quality_guard_sage22_h200.json", "quality_guard_sage106_h200.json"])
+def test_balanced_factor_sits_between_the_committed_measurements(name):
+    """For every committed guard run (3 seeds x each sage family): the benign blocks' sage error
+    over the run's median stays below BALANCED_FACTOR and every outlier block's is above it; the
+    guard moved 0 benign blocks and every outlier block, to an error at most its target."""
+    data = json.loads((REPO / "bench" / "results" / name).read_text())
+    assert data["balanced_factor"] == BALANCED_FACTOR
+    runs = data["runs"]
+    assert len({r["seed"] for r in runs}) >= 3
+    for r in runs:
+        blocks = r["blocks"]
+        assert len(blocks) == 50 and r["sage_family"].startswith("sage")
+        med = statistics.median(b["sage_error"] for b in blocks)
+        benign = [b for b in blocks if b["outlier_factor"] == 1]
+        outliers = [b for b in blocks if b["outlier_factor"] > 1]
+        assert benign and outliers and {b["outlier_factor"] for b in outliers} >= {16, 32}
+        where = (name, r["seed"], r["sage_family"])
+        assert max(b["sage_error"] for b in benign) / med < BALANCED_FACTOR, where
+        assert min(b["sage_error"] for b in outliers) / med > BALANCED_FACTOR, where
+        assert not any(b["moved"] for b in benign) and all(b["family"] == r["sage_family"] for b in benign), where
+        for b in outliers:
+            assert b["moved"] and not b["family"].startswith("sage"), (where, b)
+            assert b["error"] <= b["target"], (where, b)
