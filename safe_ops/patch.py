@@ -25,6 +25,7 @@ from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .attention.kernel_choice import explain_auto
 from .facts.devices import runtime
+from .families.registry import family_kind, installed_kernels
 from .ui.status import process_lines
 
 log = logging.getLogger("SafeSage")
@@ -147,7 +148,8 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     rt = runtime()
     lines = [f"SafeSage: {rt.summary()}"]
     warnings: list[str] = []
-    if policy.kernel == "sage" and rt.sage_family is None:
+    if policy.kernel == "sage" and rt.sage_family is None and not any(
+            family_kind(k.family) == "sage" for k in installed_kernels(rt)):   # an extra family of kind sage
         raise SafeSageError(
             f"kernel='sage' was chosen but SageAttention cannot run here: {rt.sage_error}. "
             "Install a sageattention build that matches your torch/CUDA (see the pack README), "
