@@ -68,10 +68,11 @@ class ComfyServer(ComfyProcess):
     its own tree only (no PYTHONPATH); plus the HTTP helpers the tests use."""
 
     def __init__(self, base: Path, custom_nodes: dict[str, Path], name: str = "comfy",
-                 extra_args: tuple = ()):
+                 extra_args: tuple = (), env: dict | None = None):
         self.extra_args = list(extra_args)     # more ComfyUI flags, e.g. --use-split-cross-attention
+        # env: variables set for the server (e.g. SAFESAGE_EXTRA_FAMILIES and the PYTHONPATH it needs)
         super().__init__(base, custom_nodes, root=comfy_root(), python=server_python(),
-                         flags=["--cpu"] + self.extra_args, name=name)
+                         flags=["--cpu"] + self.extra_args, env=env, name=name)
 
     def run(self, graph: dict, timeout: float = 300) -> dict:
         """Queue a graph that must succeed; returns its history entry."""
@@ -87,15 +88,15 @@ class ComfyServer(ComfyProcess):
         return r.json()
 
     # ------------------------------------------------------------------ models
-    def make_model(self, kind: str, name: str, seed: int = 0) -> dict:
+    def make_model(self, kind: str, name: str, seed: int = 0, args: tuple = ()) -> dict:
         """Write a tiny random model into <base>/models/diffusion_models/<name>; returns the
-        generator's JSON description (see tiny_models.py)."""
+        generator's JSON description (see tiny_models.py; ``args``: its further options)."""
         out = self.models_dir / name
         # the generator imports ComfyUI (its tree first, so its own `nodes` wins) and this harness
         env = dict(os.environ, COMFYUI_PATH=str(comfy_root()),
                    PYTHONPATH=os.pathsep.join([str(comfy_root()), str(REPO)]))
         r = subprocess.run([server_python(), "-m", "tools.harness.tiny_models", kind, str(out),
-                            "--seed", str(seed)],
+                            "--seed", str(seed), *args],
                            cwd=str(self.base), env=env, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError("tiny_models.py %s failed:\n%s\n%s" % (kind, r.stdout, r.stderr[-4000:]))

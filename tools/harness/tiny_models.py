@@ -155,7 +155,15 @@ H3_CONFIG = dict(
 )
 
 
-def make_h3(out, seed):
+#: k RMSNorm weight channels scaled on ``--outlier-blocks`` (outside the rope's 24 rotated dims):
+#: those blocks' keys and queries concentrate signal in a few channels, as H3's late blocks do
+OUTLIER_CHANNELS = (30, 31)
+OUTLIER_NORMS = ("k_norm",)          # keys only: x f on q too makes the softmax one-hot at these sizes
+
+
+def make_h3(out, seed, blocks=None, outlier_blocks=(), outlier_factor=32.0):
+    """``blocks``: DiT blocks (default H3_CONFIG's 1); ``outlier_blocks``: blocks whose q_norm/k_norm
+    weights are ``outlier_factor`` on :data:`OUTLIER_CHANNELS` (the quality guard's tests)."""
     import torch
     import comfy.model_detection
     import comfy.supported_models
@@ -167,7 +175,8 @@ def make_h3(out, seed):
     from comfy.ldm.minimax.model import MiniMaxH3Model
     import comfy.ops
 
-    model = MiniMaxH3Model(**H3_CONFIG, dtype=torch.float32, device="cpu",
+    config = dict(H3_CONFIG, num_layers=blocks or H3_CONFIG["num_layers"])
+    model = MiniMaxH3Model(**config, dtype=torch.float32, device="cpu",
                            operations=comfy.ops.disable_weight_init)
     sd = {}
     for k, v in model.state_dict().items():
@@ -182,6 +191,8 @@ def make_h3(out, seed):
             sd[k] = torch.randn_like(v) * 0.02
         else:  # norm weights
             sd[k] = torch.ones_like(v)
+            if any(k == f"blocks.{b}.attn.{n}.weight" for b in outlier_blocks for n in OUTLIER_NORMS):
+                sd[k][list(OUTLIER_CHANNELS)] = outlier_factor
     model.load_state_dict(sd)
     model.requires_grad_(False)  # as ComfyUI does; kitchen's in-place RoPE refuses autograd
     effects = _block_effects_h3(model)
@@ -209,7 +220,8 @@ def make_h3(out, seed):
         "kind": "h3",
         "path": out,
         "detected": type(detected).__name__,
-        "blocks": H3_CONFIG["num_layers"],
+        "blocks": config["num_layers"],
+        "outlier_blocks": list(outlier_blocks),
         "refiner_blocks": H3_CONFIG["token_refiner_num_layers"],
         "quantized_layers": sorted(quant_layers),
         # relative change of one forward's video output when attention / the MLPs are zeroed:
@@ -225,9 +237,16 @@ def main():
     ap.add_argument("kind", choices=["sd2", "h3"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--blocks", type=int, default=None, help="h3: DiT blocks (default 1)")
+    ap.add_argument("--outlier-blocks", default="", help="h3: comma-separated blocks with outlier q/k channels")
+    ap.add_argument("--outlier-factor", type=float, default=32.0)
     a = ap.parse_args()
     _setup_comfy()
-    info = (make_sd2 if a.kind == "sd2" else make_h3)(a.out, a.seed)
+    if a.kind == "sd2":
+        info = make_sd2(a.out, a.seed)
+    else:
+        info = make_h3(a.out, a.seed, a.blocks, tuple(int(b) for b in a.outlier_blocks.split(",") if b),
+                       a.outlier_factor)
     print(json.dumps(info))
 
 
