@@ -1,6 +1,7 @@
 """The quality guard over one sampling run: measure at step 1, choose once, hold the choices.
 
-* **Step 1** (the forwards at the schedule's first sigma) runs every block as planned while
+* **Step 1** (the forwards at the schedule's first sigma; with ``exact_steps`` N, step N+1: the
+  first step that runs guarded kernels) runs every block as planned while
   :meth:`QualityGuard.measure` takes each guarded call's error on sampled rows (probe.py) and,
   for ``balanced``/``strict``, the other candidate families' errors on the same rows. Nothing is
   read back to the host during the step.
@@ -136,8 +137,8 @@ class QualityGuard:
             return EXACT
         if not self.measuring:
             return PLANNED
-        if st.step == 1:
-            return PROBE if self.quality != "faults only" else (REPORT if self.probe_step == 1 else PLANNED)
+        if st.step == n + 1:            # the first step that runs guarded kernels
+            return PROBE if self.quality != "faults only" else (REPORT if self.probe_step == st.step else PLANNED)
         if st.step == self.probe_step:
             return REPORT
         return CHOSEN if st.choices else PLANNED
@@ -229,6 +230,8 @@ class QualityGuard:
             run_stats.once(("quality-oom", plan.kernel), logging.WARNING,
                            "SafeSage: no memory to measure block %d's attention error (%s); it keeps its plan",
                            block, e)
+            # listed in the report as inconclusive (targets.decide keeps it as planned)
+            st.pending.append(_Pending(block, klass, plan.kernel, None, {}, st.mode == PROBE, []))
             return
         STATS.bump("probes" if st.mode == PROBE else "report_probes")
         st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE,

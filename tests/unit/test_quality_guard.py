@@ -219,6 +219,21 @@ def test_exact_steps_run_comfys_own_first_and_last(fresh):
         assert rel(outs[1][b], fake_sage_out(fq, qq, k, v)) < 1e-4
 
 
+def test_with_exact_steps_the_first_guarded_step_measures(fresh):
+    """exact_steps=1 on a 5-step run: step 1 ComfyUI's own, step 2 measures (as planned), steps 3-4 run the
+    choices, step 5 ComfyUI's own again."""
+    fq, data = fresh, blocks()
+    att = make(exact_steps=1)
+    outs = sample(att, data, 5)
+    q = stats()["quality"]
+    assert q["exact_calls"] == 2 * NB and q["probes"] == NB and q["plan_changes"] == 1, q
+    assert q["moved_calls"] == 2 * len(OUTLIERS), q                 # steps 3 and 4
+    for b in OUTLIERS:
+        qq, k, v = data[b]
+        assert rel(outs[1][b], fake_sage_out(fq, qq, k, v)) < 1e-4    # step 2: as planned
+        assert abs(rel(outs[2][b], SDPA(qq, k, v)) - fq.KITCHEN_ERROR) < 1e-3
+
+
 def test_a_later_probe_step_only_reports(fresh):
     fq, data = fresh, blocks()
     att = make(quality="balanced", probe_step=3)
@@ -255,7 +270,7 @@ def test_out_of_memory_in_the_probe_is_inconclusive_block_keeps_its_plan(fresh, 
     assert q["inconclusive"] == 1 and q["probes"] == NB - 1, q
     ch = choices()
     last = OUTLIERS[-1]
-    assert ch.get(last, {}).get("family", fq.SAGE) == fq.SAGE and not ch.get(last, {}).get("moved", False), ch
+    assert ch[last]["family"] == fq.SAGE and not ch[last]["moved"] and "inconclusive" in ch[last]["why"], ch
     assert ch[OUTLIERS[0]]["family"] == fq.KITCHEN, ch            # the other outlier still moved
     qq, k, v = data[last]
     assert rel(outs[0][last], fake_sage_out(fq, qq, k, v)) < 1e-4
