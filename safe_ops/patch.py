@@ -61,7 +61,8 @@ def _forward_start(args: tuple, kwargs: dict) -> None:
     if not isinstance(to, dict):     # models pass it positionally at different places
         to = next((a for a in args if isinstance(a, dict) and OVERRIDE_KEY in a), None)
     att = to.get(OVERRIDE_KEY) if isinstance(to, dict) else None
-    if isinstance(att, SafeAttention) and att.quality.active:
+    # only where a guarded kernel may run: a model whose every call is ComfyUI's own pays no host read
+    if isinstance(att, SafeAttention) and att.quality.active and att.may_guard:
         att.quality.forward_start(to)
 
 

@@ -91,6 +91,11 @@ class ContextCalls:
                         "SafeSage: this torch (%s) has no torch.library.custom_op: under torch.compile its "
                         "attention calls run ComfyUI's own attention function", torch.__version__)
 
+    @property
+    def may_guard(self) -> bool:
+        """Whether a guarded kernel may take any call of this override (else every call is ComfyUI's own)."""
+        return self._may_guard
+
     def _special_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         if _is_compiling():
             return self._compiled_call(func, args, kwargs)

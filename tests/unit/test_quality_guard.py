@@ -307,3 +307,21 @@ def test_without_block_index_the_nth_call_of_the_forward_is_the_block(fresh):
         for b in BENIGN:
             qq, k, v = data[b]
             assert rel(outs[step][b], fake_sage_out(fq, qq, k, v)) < 1e-4, (b, step)
+
+
+def test_the_forward_wrapper_reads_a_step_only_where_a_guarded_kernel_may_run(fresh):
+    """patch.py's DIFFUSION_MODEL wrapper starts the guard's forward (its one host read) for an override that
+    may run a guarded kernel, and not for one whose every call is ComfyUI's own (kernel sdpa)."""
+    from safe_ops import patch
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.facts.devices import Runtime
+    from safe_ops.policy import Policy
+    rt = Runtime("test", None, None, None, None, None, "test", None, None, None)
+    sched = schedule(3)
+    for policy, started in ((Policy(kernel="sage"), True), (Policy(kernel="sdpa"), False)):
+        att = SafeAttention(policy, rt=rt)
+        to = {patch.OVERRIDE_KEY: att, "sigmas": sched[:1].clone(), "sample_sigmas": sched}
+        assert patch._forward_wrapper(lambda *a, **k: "out", None, transformer_options=to) == "out"
+        st = att.quality.state()
+        assert (st is not None and st.step == 1) is started, (policy.kernel, st)
+        end_run()
