@@ -86,6 +86,7 @@ class SafeAttention(PlanChoice, ContextCalls):
         self.executor = Executor(self.kernels, policy.debug_sync)
         # per-block error targets over a sampling run (quality/); one per node, shared by its GPUs
         self.quality = quality or QualityGuard(policy.quality, policy.probe_step, policy.exact_steps)
+        self._quality_told = False                   # "no sampling step seen" said (once per override)
         self._init_context()
 
     @property
@@ -128,7 +129,7 @@ class SafeAttention(PlanChoice, ContextCalls):
         except UnsupportedCall as e:
             run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
             return self._run_comfy(func, args, kwargs, None)
-        if self.quality.active:
+        if self.quality.active and self._may_guard:
             self._quality_context(n, kwargs)
         out = self.attend(n, func)      # an error of SafeSage's own here: the boundary (__call__)
         if out is None:
@@ -280,6 +281,9 @@ class SafeAttention(PlanChoice, ContextCalls):
         run has started; else said once (no step known: the guard is off for this call)."""
         st = self.quality.state()
         if st is None:
+            if self._quality_told:
+                return
+            self._quality_told = True
             run_stats.once(("quality-no-run",), logging.INFO,
                            "SafeSage: the quality guard saw no sampling step start (SafeSage's forward wrapper did "
                            "not run for this model, e.g. another attention override was put after SafeSage): "
