@@ -32,11 +32,15 @@ def test_the_cases_cover_every_outcome_and_each_tensor():
 
 def test_dry_run_writes_its_command_and_every_case(tmp_path):
     out = tmp_path / "dry.json"
-    r = subprocess.run([sys.executable, "-m", "bench.ck_align_probe", "--dry-run", "--out", str(out)],
+    # the cases' expected outcomes are 0.2.40's; without --ck-version the dry run predicts for the installed
+    # comfy-kitchen (783545f6's venv has 0.2.31, whose envelope also checks size-1 dimensions)
+    r = subprocess.run([sys.executable, "-m", "bench.ck_align_probe", "--dry-run", "--ck-version", "0.2.40",
+                        "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(out.read_text())
-    assert d["command"].startswith("python3 -m bench.ck_align_probe --dry-run --out ")
+    assert d["command"].startswith("python3 -m bench.ck_align_probe --dry-run --ck-version 0.2.40 --out ")
+    assert d["ck_version_predicted_for"] == "0.2.40"
     assert d["dry_run"] is True and [c["name"] for c in d["cases"]] == list(probe.CASES)
     bad = [c["name"] for c in d["cases"] if c["predicted"] != c["expected"]]
     assert not bad
