@@ -182,6 +182,11 @@ class SafeAttention(PlanChoice, ContextCalls):
             hit = self._remember(self._comfy_fns, id(func), (func, comfy_function(func)))  # bounded
         return hit[1]
 
+    def comfy_runs(self, func: Callable | None) -> Callable | None:
+        """What ComfyUI runs for ``func`` (its function; attention_pytorch for an unguarded sage /
+        comfy-kitchen one): the quality guard's reference."""
+        return self._what_comfy_runs(func)
+
     def _run_comfy(self, func: Callable, args: tuple, kwargs: dict, n: Normalised | None) -> Any:
         """A call no guarded kernel takes: the chained override, else what ComfyUI would run."""
         if self.previous is not None and not self._previous_unsafe(n, func):

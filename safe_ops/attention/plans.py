@@ -176,7 +176,8 @@ class PlanChoice:
         cand = [f for f in self.candidates(func) if f in self.kernels]
         return cand[:cand.index("sdpa")] if "sdpa" in cand else cand
 
-    def _probe_budget(self, device: torch.device) -> int | None:
+    def probe_budget(self, device: torch.device) -> int | None:
+        """Bytes the quality guard's measurement may use on ``device`` (the plans' budget)."""
         return self._budget(device)
 
     def _family_plan(self, p: "Prepared", family: str, device: torch.device) -> Plan | None:
@@ -192,7 +193,7 @@ class PlanChoice:
             self._remember(p.by_family, (family, slot), plan, RUNS_KEPT)
         return None if plan.kind == "sdpa" else plan
 
-    def _run_family_rows(self, family: str, n: Normalised, q_rows: torch.Tensor):
+    def run_family_rows(self, family: str, n: Normalised, q_rows: torch.Tensor):
         """``family`` on query rows ``q_rows`` [B,H,r,D] against all of the call's keys (the quality
         guard's candidate measurement); None when it cannot run them (outside its limits, or it
         raised: counted)."""

@@ -211,17 +211,17 @@ class QualityGuard:
         st.seen.add(key)
         try:
             with compiler.paused():
-                budget = att._probe_budget(n.q.device)
+                budget = att.probe_budget(n.q.device)
                 rows = sample_rows(n.q.shape[2], n.q.device, block)
                 q_rows = n.q.index_select(2, rows)
-                ref = reference(att._what_comfy_runs(func) if func is not None else None, q_rows, n.k, n.v, n.scale, budget)
+                ref = reference(att.comfy_runs(func) if func is not None else None, q_rows, n.k, n.v, n.scale, budget)
                 err = rel_error(out.index_select(2, rows), ref)
                 cands: dict = {}
                 if st.mode == PROBE:
                     for fam in att.quality_order(func):
                         if fam in (plan.kernel, targets.COMFY):
                             continue
-                        got = att._run_family_rows(fam, n, q_rows)
+                        got = att.run_family_rows(fam, n, q_rows)
                         cands[fam] = rel_error(got, ref) if got is not None else None
         except Exception as e:
             if not is_oom(e):

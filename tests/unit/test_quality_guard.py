@@ -284,7 +284,7 @@ def test_out_of_memory_in_a_candidate_is_inconclusive(fresh, monkeypatch):
     def oom(self, family, n, q_rows):
         raise torch.OutOfMemoryError("CUDA out of memory (fake)")
 
-    monkeypatch.setattr(SafeAttention, "_run_family_rows", oom)
+    monkeypatch.setattr(SafeAttention, "run_family_rows", oom)
     att = make(quality="balanced")
     outs = sample(att, data, 2)
     q = stats()["quality"]
