@@ -217,12 +217,12 @@ class QualityGuard:
                 ref = reference(att.comfy_runs(func) if func is not None else None, q_rows, n.k, n.v, n.scale, budget)
                 err = rel_error(out.index_select(2, rows), ref)
                 cands: dict = {}
-                if st.mode == PROBE:
-                    for fam in att.quality_order(func):
-                        if fam in (plan.kernel, targets.COMFY):
-                            continue
-                        got = att.run_family_rows(fam, n, q_rows)
-                        cands[fam] = rel_error(got, ref) if got is not None else None
+                order = att.quality_order(func) if st.mode == PROBE else []
+                for fam in order:
+                    if fam in (plan.kernel, targets.COMFY):
+                        continue
+                    got = att.run_family_rows(fam, n, q_rows)
+                    cands[fam] = rel_error(got, ref) if got is not None else None
         except Exception as e:
             if not is_oom(e):
                 raise
@@ -234,8 +234,7 @@ class QualityGuard:
             st.pending.append(_Pending(block, klass, plan.kernel, None, {}, st.mode == PROBE, []))
             return
         STATS.bump("probes" if st.mode == PROBE else "report_probes")
-        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE,
-                                   att.quality_order(func) if st.mode == PROBE else []))
+        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order))
 
     def _conclude(self, st: RunState, pend: list, values: dict) -> None:
         """The measured step's errors are on the host: choose (step 1) or report (a later step)."""

@@ -2,9 +2,9 @@
 
 The kernel's real output on :data:`PROBE_ROWS` query rows (all heads, all batch elements) is
 compared with ComfyUI's own attention function on those rows against all keys -- what ComfyUI
-would have computed (PyTorch SDPA in the call's dtype; its own rounding, 0.0023 rel. L2 in bf16
-at H3's shape, adds in quadrature: ~2% high for a kernel at 0.017, 0.2% for one at 0.039, issue
-#28's H200 measurement). The rows are stratified over the sequence with a per-block offset, made
+would have computed (PyTorch SDPA in the call's dtype; its own rounding adds in quadrature:
+issue #28 reports 0.0023 rel. L2 for bf16 SDPA at H3's shape, i.e. ~2% high for a kernel at 0.017 --
+a number from the issue, not re-measured in this repository). The rows are stratified over the sequence with a per-block offset, made
 on the device (no host copy). A candidate family's error is its output on the same rows, run on
 those rows alone against all keys (issue #28: within 1.2% of its full-call error on them).
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from ..families.sdpa import sdpa_fn
 
 PROBE_ROWS = 1024
 #: memory the reference may use for one launch when SafeSage has no budget (CPU): [B, g, rows, S]
@@ -44,14 +46,18 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 def reference(fn: Callable, q_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               scale: float | None, max_bytes: int | None) -> torch.Tensor:
     """ComfyUI's attention ``fn`` on ``q_rows`` [B,H,r,D] against all of ``k``/``v`` (HND), in head
-    groups whose math-path scores fit ``max_bytes``; [B,H,r,D]. A GQA call (fewer key heads) is
-    run by PyTorch's SDPA with ``enable_gqa`` (what ComfyUI's attention_pytorch runs), as is a
-    call with no ComfyUI function (``fn`` None: a bench or test calling SafeSage directly)."""
+    groups whose math-path scores fit ``max_bytes``; [B,H,r,D]. With no ComfyUI function (``fn``
+    None: a bench or test calling SafeSage directly) the pack's own reference adapter runs
+    (families/sdpa.py ``sdpa_fn``). A GQA call (fewer key heads) is run by PyTorch's SDPA with
+    ``enable_gqa``: no copy of k/v, where ``sdpa_fn`` and ComfyUI 0.3.75's attention_pytorch repeat them."""
     B, H, r, D = q_rows.shape
     S = k.shape[2]
     kw = {} if scale is None else {"scale": scale}
-    if fn is None or k.shape[1] != H:
-        return torch.nn.functional.scaled_dot_product_attention(q_rows, k, v, enable_gqa=k.shape[1] != H, **kw)
+    if k.shape[1] != H:
+        return torch.nn.functional.scaled_dot_product_attention(q_rows, k, v, enable_gqa=True, **kw)
+    if fn is None:
+        def fn(q, k, v, heads, skip_reshape=True, skip_output_reshape=True, scale=None):
+            return sdpa_fn(q, k, v, "HND", scale)
     per_head = max(B * r * S * 4, 1)
     g = max(1, min(H, int(max_bytes or DEFAULT_MAX_BYTES) // per_head))
     if g >= H:

@@ -107,11 +107,9 @@ def decide(measured: list[BlockErrors], quality: str, order: list[str]) -> list[
     return out
 
 
-def summary_lines(choices: list[Choice], names: dict | None = None) -> list[str]:
+def summary_lines(choices: list[Choice]) -> list[str]:
     """Runs of consecutive blocks with the same outcome, one line each, e.g.
     ``blocks 41-49: ck_int8 -- sage2_sm89_fp8pv 0.051-0.064 over target 0.045``."""
-    names = names or {}
-    show = lambda f: names.get(f, f)          # noqa: E731
     lines, run = [], []
 
     def flush():
@@ -124,11 +122,11 @@ def summary_lines(choices: list[Choice], names: dict | None = None) -> list[str]
             tail = (f" ({min(errs):.3f}-{max(errs):.3f}" if errs else " (inconclusive") + (
                 f", target {max(c.target for c in run if c.target is not None):.3f})"
                 if any(c.target is not None for c in run) else ")")
-            lines.append(f"{span}: {show(c0.family)}{tail}")
+            lines.append(f"{span}: {c0.family}{tail}")
         else:
             pe = [c.planned_error for c in run]
             tg = [c.target for c in run]
-            lines.append(f"{span}: {show(c0.family)} -- {show(c0.planned)} {min(pe):.3f}-{max(pe):.3f} over target "
+            lines.append(f"{span}: {c0.family} -- {c0.planned} {min(pe):.3f}-{max(pe):.3f} over target "
                          f"{min(tg):.3f}" + (f"-{max(tg):.3f}" if max(tg) - min(tg) >= 5e-4 else ""))
         run.clear()
 
