@@ -94,7 +94,7 @@ def probe(g, args) -> dict:
         row.update(real_verdicts=att.verifier.verdicts(), first_call_s=t1 - t0, plain_call_s=t2 - t1,
                    probe_only_s=t4 - t3, probe_only_pct=100 * (t4 - t3) / (t2 - t1),
                    probe_overhead_pct=100 * ((t1 - t0) - (t2 - t1)) / (t2 - t1),
-                   probe_failures=int(run_stats.STATS["probe_failures"]))
+                   probe_failures=int(run_stats.value("probe_failures")))
         # a deliberately broken kernel: corrupts rows past 60% of the sequence
         def broken(q_, k_, v_, layout, scale, _fn=real.fn):
             o = _fn(q_, k_, v_, layout, scale)
@@ -106,7 +106,7 @@ def probe(g, args) -> dict:
         att_b = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[bad], rt=rt)
         ob = att_b(g.noop, q, k, v, g.HEADS, skip_reshape=True, skip_output_reshape=True)
         ref = g.sdpa(q, k, v)
-        row.update(broken_caught=int(run_stats.STATS["probe_failures"]) == 1,
+        row.update(broken_caught=int(run_stats.value("probe_failures")) == 1,
                    broken_output_rel_err_vs_sdpa=g.rel_l2(ob, ref),
                    broken_verdicts=att_b.verifier.verdicts())
         out["sizes"].append(row)

@@ -171,7 +171,7 @@ def measure(name, attn, args, x) -> dict:
     got = compiled(x)
     res = {"graphs": ex.graph_count, "graph_breaks": ex.graph_break_count, "attention_calls_per_forward": 2,
            "breaks_per_call": ex.graph_break_count / 2, "safesage_opaque_ops": ops, "break_reasons": reasons[:6],
-           "compiled_vs_eager_rel_l2": rel_l2(got, eager), "stats_eager_explain_compiled": dict(run_stats.STATS)}
+           "compiled_vs_eager_rel_l2": rel_l2(got, eager), "stats_eager_explain_compiled": {k: v for k, v in run_stats.snapshot().items() if isinstance(v, int)}}
     if x.is_cuda:
         res.update({f"{k}_ms": v for k, v in time_ms({"eager": lambda: model(x), "compiled": lambda: compiled(x)},
                                                      args.reps).items()})

@@ -292,7 +292,7 @@ def sec_guard(args) -> dict:
             g()
             prepared = next(iter(att._prepared.values()), None)
             if prepared is None:     # the kernel raised or failed its probe: the call fell back to SDPA
-                raise RuntimeError(f"no plan kept: fallbacks {dict(run_stats.FALLBACKS)}")
+                raise RuntimeError(f"no plan kept: fallbacks {dict(run_stats.snapshot()['fallback_reasons'])}")
             plan = prepared.plan
             lay = plan.layout
             if lay == "NHD":

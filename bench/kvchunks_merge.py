@@ -127,7 +127,7 @@ def sec_merge(args) -> dict:
                     lse_merge.set_fused(True)
             o, r["peak_extra_kv"], plan = first_call(att, kv)
             r.update(plan_kv=plan.describe(False), kv_chunk=plan.kv_chunk, kind=plan.kind,
-                     fused_blocks=run_stats.STATS["kv_merge_fused"], torch_blocks=run_stats.STATS["kv_merge_torch"])
+                     fused_blocks=run_stats.value("kv_merge_fused"), torch_blocks=run_stats.value("kv_merge_torch"))
             o_old = kv_old()
             torch.cuda.synchronize()
             r["fused_vs_old_max_abs"] = float((o.float() - o_old.float()).abs().max())

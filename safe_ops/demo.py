@@ -135,9 +135,9 @@ def main(argv=None) -> int:
     for shape, plan in run_stats.PLANS.items():
         print(f"plan for {shape}: {plan.split('; because')[0]}")
     print(f"relative L2 error vs fp32 reference: {err:.4f} (tolerance {tol}) -> {'OK' if err <= tol else 'FAIL'}")
-    print(f"probes: {run_stats.STATS['probes']}, probe failures: {run_stats.STATS['probe_failures']}, "
-          f"fallbacks: {run_stats.STATS['fallbacks']}")
-    ok &= err <= tol and run_stats.STATS["probe_failures"] == 0
+    print(f"probes: {run_stats.value('probes')}, probe failures: {run_stats.value('probe_failures')}, "
+          f"fallbacks: {run_stats.value('fallbacks')}")
+    ok &= err <= tol and run_stats.value("probe_failures") == 0
 
     section("token-chunked H3 SwiGLU MLP")
     S_mlp = 38_000 if dev.type == "cuda" else 300

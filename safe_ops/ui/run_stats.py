@@ -1,7 +1,11 @@
 """Run statistics and log-once bookkeeping shared by every SafeSage component.
 
 The one store of SafeSage's run statistics. Counters are process-wide (ComfyUI runs one model at
-a time per process) and cheap. Writers and ``snapshot()`` (the node's HTTP route, on the server
+a time per process) and cheap: :func:`count` writes the calling thread's own dict, no lock (the
+attention override counts on every call); a read (``snapshot()``, :func:`value`, a Section's)
+sums every thread's counts into the store under its lock -- only the owning thread ever writes a
+thread's dict, and the reader keeps apart what it has already summed, so no count is lost or
+counted twice. Every other writer and ``snapshot()`` (the node's HTTP route, on the server
 thread) share one lock; what is kept per call shape (plans, failed checks, fallback reasons) keeps
 the newest ``MAX_KEYS``, and the log-once keys the newest ``MAX_LOG_KEYS``. Kernel families
 switched off for the process are listed too. A component with counters of its own (the MLP) gets a
@@ -29,6 +33,8 @@ FAILED_CHECKS: dict[str, str] = {}      # call class -> why its kernel failed th
 _SECTION_FALLBACKS: dict[str, Counter] = {}   # section -> reason -> count
 _logged: dict = {}                      # log-once keys (a dict keeps their insertion order)
 _extra: dict[str, Any] = {}
+_THREADS: list = []                     # [thread, its counts, what reads have summed of them] per counting thread
+_own = threading.local()                # .counts: the calling thread's dict (written by that thread only)
 
 
 def _bounded(d: dict, keep: int | None = None) -> None:
@@ -49,9 +55,70 @@ def trim(d: dict, keep: int | None = None, expendable: Callable[[Any], bool] = l
     _bounded(d, keep)
 
 
-def count(key: str, n: int = 1) -> None:
-    with _lock:
+MAX_THREAD_KEYS = 4 * MAX_KEYS          # keys a thread's own counts hold; a new one past that counts under the lock
+_REASON = "fallback reason"             # (_REASON, reason): a fallback's reason among a thread's counts
+
+
+def count(key: Any, n: int = 1) -> None:
+    """Add ``n`` to counter ``key``: the calling thread's own dict, no lock (summed on read)."""
+    try:
+        c = _own.counts
+    except AttributeError:
+        c = _new_thread_counts()
+    if key in c or len(c) < MAX_THREAD_KEYS:
+        c[key] = c.get(key, 0) + n
+    else:
+        with _lock:
+            _add(key, n)
+
+
+def _add(key: Any, n: int) -> None:
+    """Add to the store itself (the caller holds ``_lock``): a counter, or a fallback's reason."""
+    if type(key) is tuple:
+        FALLBACKS[key[1]] += n
+        _bounded(FALLBACKS)
+    else:
         STATS[key] += n
+
+
+def counts() -> dict:
+    """The calling thread's own counts, for a hot path that counts several things in one call:
+    ``c[key] = c.get(key, 0) + n`` (only this thread writes it; a read sums it in)."""
+    try:
+        return _own.counts
+    except AttributeError:
+        return _new_thread_counts()
+
+
+def _new_thread_counts() -> dict:
+    c: dict = {}
+    with _lock:
+        _THREADS.append([threading.current_thread(), c, {}])
+    _own.counts = c
+    return c
+
+
+def _sum_threads() -> None:
+    """Every thread's counts since the last read into STATS (the caller holds ``_lock``). A
+    thread's dict is copied whole (``dict.copy`` holds the GIL, or the dict's own lock without
+    one); a thread that has ended is summed a last time and dropped."""
+    for entry in list(_THREADS):
+        thread, counts, seen = entry
+        now = counts.copy()
+        for key, v in now.items():
+            d = v - seen.get(key, 0)
+            if d:
+                _add(key, d)
+        entry[2] = now
+        if not thread.is_alive():
+            _THREADS.remove(entry)
+
+
+def value(key: str) -> int:
+    """Counter ``key`` now (every thread's counts summed)."""
+    with _lock:
+        _sum_threads()
+        return int(STATS.get(key, 0))
 
 
 def disabled(family: str, why: str, where: str | None = None) -> None:
@@ -85,17 +152,17 @@ def failed_check(call_class: str, why: str) -> None:
 
 
 def fallback(reason: str, key: Any = None, level: int = logging.WARNING) -> None:
-    """Count a fallback; log it once per (reason, key)."""
-    with _lock:
-        FALLBACKS[reason] += 1
-        STATS["fallbacks"] += 1
-        if len(FALLBACKS) > MAX_KEYS:
-            del FALLBACKS[next(iter(FALLBACKS))]
+    """Count a fallback and its reason (the calling thread's own counts); log it once per
+    (reason, key)."""
+    count("fallbacks")
+    count((_REASON, reason))
     once(("fallback", reason, key), level, "SafeSage fallback: %s%s", reason,
          f" (call {key})" if key is not None else "")
 
 
 def once(key: Any, level: int, msg: str, *args: Any) -> bool:
+    if key in _logged:          # said already (a read: the lock is for the change)
+        return False
     with _lock:
         if key in _logged:
             return False
@@ -124,6 +191,7 @@ class Section:
 
     def get(self, counter: str) -> int:
         with _lock:
+            _sum_threads()
             return int(STATS.get(f"{self.name}.{counter}", 0))
 
     def __getattr__(self, name: str):
@@ -138,6 +206,7 @@ class Section:
     def reset(self) -> None:
         """Zero this section's counters and forget its fallback reasons (its log-once keys stay)."""
         with _lock:
+            _sum_threads()
             for c in self.counters:
                 STATS.pop(f"{self.name}.{c}", None)
             _SECTION_FALLBACKS.pop(self.name, None)
@@ -160,6 +229,7 @@ class Section:
 
     def as_dict(self) -> dict:
         with _lock:
+            _sum_threads()
             return self._as_dict()
 
 
@@ -183,6 +253,7 @@ def set_info(name: str, value: Any) -> None:
 
 def snapshot() -> dict:
     with _lock:
+        _sum_threads()
         return {
             **{name: sec._as_dict() for name, sec in _SECTIONS.items()},
             **{k: int(v) for k, v in STATS.items() if "." not in k},
@@ -199,6 +270,7 @@ def snapshot() -> dict:
 def reset() -> None:
     """Forget counters and log-once keys (tests, and a new node execution if wanted)."""
     with _lock:
+        _sum_threads()          # what the threads counted so far is behind the reset
         STATS.clear()
         FALLBACKS.clear()
         PLANS.clear()

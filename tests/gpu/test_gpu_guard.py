@@ -61,7 +61,7 @@ def test_guarded_strided_past_int32_boundary(stream):
         o = att(ga.noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
     torch.cuda.current_stream().wait_stream(st)
     torch.cuda.synchronize()
-    assert run_stats.STATS["plan:direct"] == 0 and run_stats.STATS["plan:sdpa"] == 0
+    assert run_stats.value("plan:direct") == 0 and run_stats.value("plan:sdpa") == 0
     err = ga.rel_l2(o, ref)
     assert err <= inlimit * 1.05 + 1e-4, (err, inlimit)
 
@@ -87,7 +87,7 @@ def test_probe_catches_a_kernel_wrong_on_the_tail():
     q, k, v = ga.h3_qkv(S, "strided")
     att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(real.envelope, broken, real.tolerance)])
     o = att(ga.noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
-    assert run_stats.STATS["probe_failures"] == 1
+    assert run_stats.value("probe_failures") == 1
     assert ga.rel_l2(o, ga.sdpa(q, k, v)) < 1e-3      # the fallback's (SDPA) output was returned
 
 
@@ -95,7 +95,7 @@ def test_real_sage_passes_probe():
     q, k, v = ga.h3_qkv(38_000, "strided")
     att = ga.guarded(Policy(kernel="sage", verify="first"))
     att(ga.noop, q, k, v, 56, skip_reshape=True)
-    assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
+    assert run_stats.value("probes") == 1 and run_stats.value("probe_failures") == 0
 
 
 def _legacy_stream_kernel():
@@ -127,7 +127,7 @@ def test_legacy_stream_kernel_under_a_side_stream_is_correct_and_memory_returns(
         o = att(ga.noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
         o2 = o * 1.0               # consumed on the side stream right away
     torch.cuda.current_stream().wait_stream(side)
-    assert run_stats.STATS["stream_hops"] == 1
+    assert run_stats.value("stream_hops") == 1
     err = ga.rel_l2(o2, ref)
     assert err <= att.kernels[ga.sage_kern().family].tolerance, err
     del o, o2
@@ -148,7 +148,7 @@ def test_kernel_raising_at_call_time_falls_back_to_sdpa_on_gpu():
     q, k, v = ga.h3_qkv(38_000, "strided")
     att = SafeAttention(Policy(kernel="sage"), kernels=[Kernel(real.envelope, missing_extension, real.tolerance)])
     o = att(ga.noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
-    assert run_stats.STATS["kernel_errors"] == 1
+    assert run_stats.value("kernel_errors") == 1
     assert ga.rel_l2(o, ga.sdpa(q, k, v)) < 1e-3
 
 
@@ -165,4 +165,4 @@ def test_probe_catches_nan_in_a_tail_row_of_the_second_batch_element():
     q, k, v = ga.h3_qkv(20_000, "strided_b2")
     att = SafeAttention(Policy(kernel="sage", verify="first"), kernels=[Kernel(real.envelope, nan_tail, real.tolerance)])
     o = att(ga.noop, q, k, v, 56, skip_reshape=True, skip_output_reshape=True)
-    assert run_stats.STATS["probe_failures"] == 1 and torch.isfinite(o).all()
+    assert run_stats.value("probe_failures") == 1 and torch.isfinite(o).all()

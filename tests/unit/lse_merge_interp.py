@@ -116,7 +116,7 @@ def fused_matches_reference() -> None:
                         assert (big[:, 0] == 7).all() and (big[:, :, :2] == 7).all() and (big[:, :, -1] == 7).all(), \
                             f"{tag}: wrote outside the result slice"
                         cases += 1
-    assert run_stats.STATS["kv_merge_fused"] == cases and run_stats.STATS["kv_merge_torch"] == 0
+    assert run_stats.value("kv_merge_fused") == cases and run_stats.value("kv_merge_torch") == 0
     summary["fused_cases"] = cases
 
 

@@ -98,7 +98,7 @@ def test_graph_breaks_guarded_call_is_one_opaque_op():
     att, kern = _guarded()
     m = Toy({"optimized_attention_override": att})
     eager = m(x)                                   # plans and verifies (eagerly)
-    assert len(kern.launches) == 2 and run_stats.STATS["probes"] == 1
+    assert len(kern.launches) == 2 and run_stats.value("probes") == 1
     explained = _explain(m, x)
     assert explained.graph_break_count == 0, [str(b.reason)[:200] for b in explained.break_reasons]
     assert _ops(explained) == 2                    # one opaque op per guarded call
@@ -107,7 +107,7 @@ def test_graph_breaks_guarded_call_is_one_opaque_op():
     compiled = torch.compile(m, backend="aot_eager")(x)
     # the op's body ran SafeSage's path at run time: the guarded kernel, counted there
     assert len(kern.launches) == before + 2
-    assert run_stats.STATS["attention_calls"] == 2 and run_stats.STATS["plan:direct"] == 2
+    assert run_stats.value("attention_calls") == 2 and run_stats.value("plan:direct") == 2
     assert torch.equal(compiled, eager)
 
 
@@ -125,7 +125,7 @@ def test_graph_breaks_guarded_call_falls_back_inside_the_op():
     assert explained.graph_break_count == 0 and _ops(explained) == 2
     run_stats.reset()
     compiled = torch.compile(m, backend="aot_eager")(x)
-    assert not kern.launches and run_stats.STATS["fallbacks"] == 2
+    assert not kern.launches and run_stats.value("fallbacks") == 2
     torch.testing.assert_close(compiled, Toy({})(x), rtol=1e-6, atol=1e-6)
 
 

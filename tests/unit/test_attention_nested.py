@@ -46,8 +46,8 @@ def test_nested_override_the_outermost_safesage_decides():
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert not fake_sage.launches, "#2 says never a sage kernel: #1 must not launch its own"
     assert len(seen) == 2 and len(comfy.calls) == 2          # through P, into ComfyUI's function
-    assert run_stats.STATS["attention_calls"] == 2 and run_stats.STATS["nested_calls"] == 2
-    assert run_stats.STATS["plan:direct"] == 0
+    assert run_stats.value("attention_calls") == 2 and run_stats.value("nested_calls") == 2
+    assert run_stats.value("plan:direct") == 0
 
 
 def test_nested_override_inner_never_runs_an_unguarded_sage_it_chained():
@@ -74,7 +74,7 @@ def test_nested_override_an_outer_guarded_call_runs_once():
     q, k, v = h3_like(100)
     ss2(ComfyFunc(), q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     assert len(outer_kernel.launches) == 1 and not fake_sage.launches and not seen
-    assert run_stats.STATS["attention_calls"] == 1 and run_stats.STATS["nested_calls"] == 0
+    assert run_stats.value("attention_calls") == 1 and run_stats.value("nested_calls") == 0
 
 
 def test_nested_override_wrapped_func_does_not_reenter():
@@ -94,7 +94,7 @@ def test_nested_override_wrapped_func_does_not_reenter():
     q, k, v = (torch.randn(1, 30, 64) for _ in range(3))
     out = att(wrapped, q, k, v, 4, transformer_options={"optimized_attention_override": att})
     assert calls == [1] and out.shape == (1, 30, 64)
-    assert run_stats.STATS["attention_calls"] == 1
+    assert run_stats.value("attention_calls") == 1
 
 
 def test_nested_override_under_compile():
@@ -132,5 +132,5 @@ def test_nested_override_a_contained_fallback_still_tells_the_inner_one(monkeypa
     q, k, v = h3_like(100)
     out = ss2(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert run_stats.STATS["internal_errors"] == 1 and len(seen) == 1
-    assert not fake_sage.launches and run_stats.STATS["nested_calls"] == 1
+    assert run_stats.value("internal_errors") == 1 and len(seen) == 1
+    assert not fake_sage.launches and run_stats.value("nested_calls") == 1

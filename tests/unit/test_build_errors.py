@@ -37,7 +37,7 @@ def test_a_not_implemented_error_for_one_shape_falls_back_for_that_call_only():
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert len(refused) == 1 and len(comfy.calls) == 1, "the refused call ran ComfyUI's own attention"
-    assert run_stats.STATS["call_fallbacks"] == 1 and run_stats.STATS["kernel_errors"] == 0
+    assert run_stats.value("call_fallbacks") == 1 and run_stats.value("kernel_errors") == 0
     assert not att.broken and not run_stats.snapshot()["disabled_families"], "the family stays on"
     # the next call, another shape: the family runs it
     q2, k2, v2 = h3_like(60)

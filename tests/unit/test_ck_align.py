@@ -220,7 +220,7 @@ def test_aligned_views_reach_the_kernel_uncopied(kitchen):
     att, fn = kitchen
     q, k, v = run(att, qkv_views(96))
     assert fn.launches == [(q.data_ptr(), k.data_ptr(), v.data_ptr())]
-    assert report.STATS["plan:direct"] == 1 and report.STATS["fallbacks"] == 0
+    assert report.value("plan:direct") == 1 and report.value("fallbacks") == 0
 
 
 def test_misaligned_views_are_copied_not_refused(kitchen):
@@ -230,7 +230,7 @@ def test_misaligned_views_are_copied_not_refused(kitchen):
         q, k, v = run(att, qkv_views(96, offset=offset, pad=pad))
         assert fn.launches[-1] != (q.data_ptr(), k.data_ptr(), v.data_ptr())
     assert len(fn.launches) == 2
-    assert report.STATS["plan:repack"] == 2 and report.STATS["fallbacks"] == 0
+    assert report.value("plan:repack") == 2 and report.value("fallbacks") == 0
 
 
 def test_a_direct_plan_is_not_reused_for_a_misaligned_call(kitchen):
@@ -240,5 +240,5 @@ def test_a_direct_plan_is_not_reused_for_a_misaligned_call(kitchen):
     run(att, qkv_views(96))
     q, k, v = run(att, qkv_views(96, offset=2))
     assert fn.launches[-1] != (q.data_ptr(), k.data_ptr(), v.data_ptr())
-    assert report.STATS["plan:direct"] == 1 and report.STATS["plan:repack"] == 1
-    assert report.STATS["fallbacks"] == 0
+    assert report.value("plan:direct") == 1 and report.value("plan:repack") == 1
+    assert report.value("fallbacks") == 0

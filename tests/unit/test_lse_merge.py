@@ -80,7 +80,7 @@ def test_cpu_blocks_use_the_torch_merge_and_never_ask_for_triton(monkeypatch):
             m.add(o.clone(), lse)
         assert m.fused is None
         assert torch.equal(dst, reference(os_, ls, torch.bfloat16))     # the same ops, bit for bit
-    assert run_stats.STATS["kv_merge_torch"] == 3 and run_stats.STATS["kv_merge_fused"] == 0
+    assert run_stats.value("kv_merge_torch") == 3 and run_stats.value("kv_merge_fused") == 0
 
 
 def test_without_triton_the_import_is_tried_once_per_process(monkeypatch):
@@ -150,7 +150,7 @@ def test_a_failing_fused_launch_falls_back_for_the_process(n):
     for o, lse in zip(os_, ls):
         m.add(o.clone(), lse.clone())
     assert torch.equal(dst, reference(os_, ls, torch.bfloat16))
-    assert run_stats.STATS["kv_merge_fused_failed"] == 1
+    assert run_stats.value("kv_merge_fused_failed") == 1
     assert L.fused_module() is None                                       # off for the process
 
 
@@ -161,7 +161,7 @@ def test_a_sticky_cuda_error_in_the_fused_launch_propagates():
     m.add(os_[0], ls[0])
     with pytest.raises(RuntimeError, match="illegal memory access"):
         m.add(os_[1], ls[1])
-    assert run_stats.STATS["kv_merge_fused_failed"] == 0
+    assert run_stats.value("kv_merge_fused_failed") == 0
 
 
 def _triton_path() -> tuple[str | None, str]:

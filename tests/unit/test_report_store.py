@@ -2,6 +2,7 @@
 Section), locked against the server thread's snapshot(), and every per-shape cache bounded."""
 import inspect
 import logging
+import threading
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ from safe_ops.policy import Policy
 from safe_ops.attention.verification import Verdict, Verifier
 from safe_ops.facts.devices import Runtime
 
+from safe_ops.families.family import Kernel
+
 from lockcheck import CountingLock, Ledger, guard
+from test_attention import EnvelopeAssertingKernel, toy_envelope
 
 CPU_RT = Runtime("test", None, None, None, None, None, "test", None, None, None)
 
@@ -73,8 +77,9 @@ def test_every_mutation_of_the_store_holds_its_lock(monkeypatch):
     for name in CONTAINERS:
         monkeypatch.setattr(report, name, guard(getattr(report, name), lock, ledger, name))
     sec = report.Section("locktest", ("a",))
+    report.count("warm")                   # this thread's own counts exist (made once, under the lock)
     writers = {
-        "count": lambda: report.count("attention_calls"),
+        "value": lambda: report.count("attention_calls") or report.value("attention_calls"),
         "disabled": lambda: report.disabled("fam", "why"),
         "failed_check": lambda: report.failed_check("fam shape", "why"),
         "fallback": lambda: report.fallback("a reason", "key"),
@@ -84,7 +89,7 @@ def test_every_mutation_of_the_store_holds_its_lock(monkeypatch):
         "reset": report.reset,
     }
     section_writers = {
-        "bump": lambda: sec.bump("a"),
+        "bump": lambda: sec.bump("a") or sec.as_dict(),     # a thread's own count, summed by the read
         "fallback": lambda: sec.fallback("why"),
         "once_warning": lambda: sec.once_warning("msg"),
         "reset": sec.reset,
@@ -102,9 +107,61 @@ def test_every_mutation_of_the_store_holds_its_lock(monkeypatch):
     assert all(acquired.values()), acquired
     public = {n for n, f in vars(report).items() if inspect.isfunction(f) and not n.startswith("_")
               and f.__module__ == report.__name__}
-    assert public - READERS == set(writers), "a new public function of the store: add it here"
+    assert public - READERS == set(writers) | {"count", "counts"}, "a new public function of the store: add it here"
     methods = {n for n, f in vars(report.Section).items() if inspect.isfunction(f) and not n.startswith("_")}
     assert methods - SECTION_READERS == set(section_writers), "a new Section method: add it here"
+
+
+def test_a_count_writes_only_the_calling_threads_own_counts_and_a_read_sums_them(monkeypatch):
+    """count() takes no lock and changes none of the store's shared containers: it writes a dict
+    that only the calling thread ever writes (the attention override counts on every call). A read
+    sums every thread's counts into the store under the lock -- exactly, however often it reads:
+    what a read has summed is kept apart, never counted twice, never lost -- and a thread that
+    ended is summed a last time and dropped."""
+    lock = CountingLock()
+    ledger = Ledger()
+    monkeypatch.setattr(report, "_lock", lock)
+    for name in CONTAINERS:
+        monkeypatch.setattr(report, name, guard(getattr(report, name), lock, ledger, name))
+    writers = []
+    real_new = report._new_thread_counts
+
+    def watched_new():
+        c = real_new()
+        owner = threading.get_ident()
+
+        class Owned(dict):
+            def __setitem__(self, k, v):
+                writers.append(threading.get_ident() == owner)
+                dict.__setitem__(self, k, v)
+        watched = Owned(c)
+        report._own.counts = watched
+        report._THREADS[-1][1] = watched
+        return watched
+    monkeypatch.setattr(report, "_new_thread_counts", watched_new)
+    report.count("x")                                   # this thread's first count
+    before, changes = lock.acquisitions, len(ledger.events)
+    report.count("x", 2)
+    assert lock.acquisitions == before and len(ledger.events) == changes, "no lock, no shared container"
+
+    def worker():
+        for _ in range(1000):
+            report.count("x")
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    reads = [report.value("x") for _ in range(50)]      # reads while they count
+    for t in threads:
+        t.join()
+    assert reads == sorted(reads), "a read never loses what an earlier one summed"
+    assert report.value("x") == 4003 and report.value("x") == 4003, "exact, and not summed twice"
+    assert writers and all(writers), "every thread's counts written by that thread only"
+    assert ledger.unlocked == [] and any(e[0] == "STATS" for e in ledger.events)
+    assert len(report._THREADS) == 1, "the ended threads were summed and dropped"
+    report.reset()
+    assert report.value("x") == 0
+    report.count("x")
+    assert report.value("x") == 1, "what was counted before the reset stays behind it"
 
 
 def test_log_once_keys_are_bounded(monkeypatch):
@@ -138,7 +195,10 @@ def test_per_signature_caches_are_bounded(monkeypatch):
     """A pack that hands a new function per call, or an endless stream of shapes, does not grow
     SafeAttention's caches past the store's bound."""
     monkeypatch.setattr(report, "MAX_KEYS", 2)
-    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[], rt=CPU_RT)
+    env = toy_envelope()
+    att = SafeAttention(Policy(kernel="sdpa", verify="off"), kernels=[Kernel(env, EnvelopeAssertingKernel(env))],
+                        rt=CPU_RT)
+    att._may_guard = True           # a policy that plans every call (here: to ComfyUI's own)
     for S in (3, 4, 5, 6, 7):
         q = _q(S)
 

@@ -93,10 +93,10 @@ def test_verdicts_per_arch_a_pass_on_one_does_not_skip_the_check_on_the_other(mo
     ga, gb, kerns = two_sites(monkeypatch, kind, "ok", "wrong")
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
+    assert run_stats.value("probes") == 1 and run_stats.value("probe_failures") == 0
     out = call(gb, q, k, v)
     assert len(kerns["B"].launches) == 1, "B ran the family"
-    assert run_stats.STATS["probes"] == 2 and run_stats.STATS["probe_failures"] == 1, "B's call was checked on its own"
+    assert run_stats.value("probes") == 2 and run_stats.value("probe_failures") == 1, "B's call was checked on its own"
     assert_correct(out, q, k, v)
 
 
@@ -106,9 +106,9 @@ def test_verdicts_per_arch_a_failure_on_one_does_not_switch_the_family_off_on_th
     ga, gb, kerns = two_sites(monkeypatch, kind, "wrong", "ok")
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert run_stats.STATS["probe_failures"] == 1
+    assert run_stats.value("probe_failures") == 1
     assert_correct(call(gb, q, k, v), q, k, v)
-    assert len(kerns["B"].launches) == 1 and run_stats.STATS["probes"] == 2 and run_stats.STATS["probe_failures"] == 1
+    assert len(kerns["B"].launches) == 1 and run_stats.value("probes") == 2 and run_stats.value("probe_failures") == 1
 
 
 @pytest.mark.parametrize("kind", ["arch", "build"])
@@ -119,13 +119,13 @@ def test_verdicts_per_arch_a_failure_on_one_never_lets_the_other_return_unchecke
     output unchecked (A's fallback clears only A's cached plans)."""
     ga, gb, kerns = two_sites(monkeypatch, kind, "wrong", "wrong")
     call(gb, *qkv(nan=True))
-    assert run_stats.STATS["probes"] == 1 and not gb.verifier.verdicts(), "inconclusive: nothing recorded"
+    assert run_stats.value("probes") == 1 and not gb.verifier.verdicts(), "inconclusive: nothing recorded"
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert run_stats.STATS["probe_failures"] == 1
+    assert run_stats.value("probe_failures") == 1
     out = call(gb, q, k, v)
     assert_correct(out, q, k, v)
-    assert run_stats.STATS["probe_failures"] == 2, "B's output was checked and failed on its own"
+    assert run_stats.value("probe_failures") == 2, "B's output was checked and failed on its own"
 
 
 @pytest.mark.parametrize("kind", ["arch", "build"])
@@ -136,11 +136,11 @@ def test_verdicts_per_arch_a_build_error_on_one_does_not_disable_the_other(monke
     ga, gb, kerns = two_sites(monkeypatch, kind, "refuse", "ok", verify="off")
     q, k, v = qkv()
     assert_correct(call(ga, q, k, v), q, k, v)
-    assert run_stats.STATS["kernel_errors"] == 1 and FAM in ga.broken
+    assert run_stats.value("kernel_errors") == 1 and FAM in ga.broken
     assert_correct(call(gb, q, k, v), q, k, v)
     assert len(kerns["B"].launches) == 1 and not gb.broken, "the family still runs on B"
     call(ga, *qkv(S=64))
-    assert run_stats.STATS["kernel_errors"] == 1 and run_stats.STATS["plan:sdpa"] == 1, "not tried again on A"
+    assert run_stats.value("kernel_errors") == 1 and run_stats.value("plan:sdpa") == 1, "not tried again on A"
     site_a = RT_A.kernel_site(FAM)
     assert list(run_stats.snapshot()["disabled_families"]) == [f"{FAM} on {site_a}"]
     line, = process_lines(run_stats.snapshot())
@@ -166,11 +166,11 @@ def test_verdicts_per_layout_an_hnd_pass_does_not_cover_an_nhd_call(monkeypatch)
                         rt=RT_A)
     q, k, v = qkv()
     assert_correct(call(att, q, k, v), q, k, v)                           # HND caller
-    assert run_stats.STATS["probes"] == 1 and run_stats.STATS["probe_failures"] == 0
+    assert run_stats.value("probes") == 1 and run_stats.value("probe_failures") == 0
     qn, kn, vn = (t.transpose(1, 2).flatten(2) for t in (q, k, v))          # the same call, NHD caller
     out = att(ComfyFunc(), qn, kn, vn, 4)
     assert [lay for _, lay in real.launches] == ["HND", "NHD"], "the NHD call ran the family in NHD"
-    assert run_stats.STATS["probes"] == 2 and run_stats.STATS["probe_failures"] == 1
+    assert run_stats.value("probes") == 2 and run_stats.value("probe_failures") == 1
     torch.testing.assert_close(out.double(), reference(q, k, v).transpose(1, 2).flatten(2), rtol=1e-4, atol=1e-4)
 
 
