@@ -40,8 +40,9 @@ class SafeSageError(RuntimeError):
 
 @contain.boundary
 def _forward_wrapper(executor, *args, **kwargs):
-    """DIFFUSION_MODEL wrapper: count the diffusion-model forwards (the node's statistics) and tell
-    the quality guard a forward starts (which step; its one host read, quality/guard.py)."""
+    """DIFFUSION_MODEL wrapper: count the diffusion-model forwards (the node's statistics), have
+    ComfyUI's allocation compiler asked again once for this forward, and tell the quality guard a
+    forward starts (which step; its one host read, quality/guard.py)."""
     try:
         _forward_start(args, kwargs)
     except Exception as e:  # noqa: BLE001 - see contain.py
@@ -57,6 +58,7 @@ def _forward_wrapper(executor, *args, **kwargs):
 def _forward_start(args: tuple, kwargs: dict) -> None:
     if compiling() or capturing():
         return                       # traced / captured: no host read here (the calls run as planned)
+    compiler.forward_started()       # ComfyUI's compiler is asked once in this forward (facts/compiler.py)
     to = kwargs.get("transformer_options")
     if not isinstance(to, dict):     # models pass it positionally at different places
         to = next((a for a in args if isinstance(a, dict) and OVERRIDE_KEY in a), None)

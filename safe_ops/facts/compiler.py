@@ -46,6 +46,25 @@ def enabled(device) -> bool:
         return False
 
 
+def enabled_now(device) -> bool:
+    """:func:`enabled`, asked once per device per diffusion-model forward of the calling thread
+    (patch.py's DIFFUSION_MODEL wrapper calls :func:`forward_started`), not once per attention or
+    MLP call. ComfyUI's answer depends on its flags and the kind of device only; a thread whose
+    forwards are not wrapped keeps its first answer."""
+    c = getattr(_local, "enabled", None)
+    if c is None:
+        c = _local.enabled = {}
+    hit = c.get(device)
+    if hit is None:
+        hit = c[device] = enabled(device)
+    return hit
+
+
+def forward_started() -> None:
+    """A diffusion-model forward of the calling thread begins: :func:`enabled_now` asks again."""
+    _local.enabled = None
+
+
 def paused():
     """``comfy.model_prefetch.pause_malloc_graph()`` where ComfyUI has it: allocations inside are
     not recorded (they come from PyTorch's pool and may be freed anywhere). Else a no-op."""
@@ -65,6 +84,7 @@ def run_id() -> int:
 def new_run() -> None:
     """The calling thread's sampling run ended (or memory ran out): its next call chooses again.
     Other threads' runs are untouched."""
+    _local.enabled = None
     _next_run()
 
 

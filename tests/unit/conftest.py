@@ -24,3 +24,13 @@ def _fresh_mlp_budget_reader():
     budget.MLP_READER.clear()
     yield
     budget.MLP_READER.clear()
+
+
+@pytest.fixture(autouse=True)
+def _a_forward_per_test():
+    """ComfyUI's allocation compiler is asked once per forward per thread (compiler.enabled_now):
+    each test begins as a new forward, so a stand-in comfy.model_prefetch of one test is asked."""
+    from safe_ops.facts import compiler
+    compiler.forward_started()
+    yield
+    compiler.forward_started()

@@ -171,7 +171,7 @@ def chunk_for_call(chunk_setting: Any, S: int, hidden: int, ffn: int, dtype: tor
 def _chunk_for(setting: Any, S: int, hidden: int, ffn: int, dtype: torch.dtype,
                device: torch.device, budget_bytes: int | None = None) -> int:
     """:func:`chunk_for_call` for a parsed setting."""
-    if setting != "auto" or budget_bytes is not None or not compiler.enabled(device):
+    if setting != "auto" or budget_bytes is not None or not compiler.enabled_now(device):
         return chunk_tokens(setting, S, hidden, ffn, dtype, device, budget_bytes)
     key = (compiler.run_id(), S, hidden, ffn, dtype, device)
     c = _RUN_CHUNKS.get(key)
