@@ -15,6 +15,11 @@ from .planner import Plan
 from ..ui import run_stats
 
 
+def one_launch(plan: Plan) -> bool:
+    """The plan runs the whole call in one launch (no head groups, query or key chunks)."""
+    return not (plan.head_group or plan.q_chunk or plan.kv_chunk)
+
+
 class Executor:
     """Executes plans with ``kernels`` (family -> Kernel)."""
 
@@ -22,9 +27,11 @@ class Executor:
         self.kernels = kernels
         self.debug_sync = debug_sync
 
-    def run(self, plan: Plan, n: Normalised) -> torch.Tensor:
+    def run(self, plan: Plan, n: Normalised) -> tuple[torch.Tensor, str]:
         """Execute ``plan`` (a guarded kernel's: an ``sdpa`` plan is ComfyUI's own attention, which
-        attention.SafeAttention runs itself); returns the result as an HND [B,H,Sq,D] tensor.
+        attention.SafeAttention runs itself); returns the result and its layout: a single launch's
+        output as the kernel returned it (the plan's layout: in the caller's own layout no view
+        is made either way, Normalised.finish), a split plan's HND [B,H,Sq,D].
 
         Same stream (Triton sage, SDPA): the caching allocator already orders the
         reuse of every temporary after the kernels enqueued on that stream, so a
@@ -42,32 +49,50 @@ class Executor:
         allocated on the legacy stream, gets ``record_stream`` for the caller's.
         """
         kern = self.kernels[plan.kernel]
-        q, k = n.q, n.k
-        dev = q.device
-        hop = legacy_hop(dev) if kern.envelope.launches_on_legacy_stream and dev.type == "cuda" else None
+        on_cuda = n.q4.is_cuda
+        hop = legacy_hop(n.q4.device) if on_cuda and kern.envelope.launches_on_legacy_stream else None
+        one = one_launch(plan)
         if hop is None:
-            out = self._launch_all(plan, kern, n)
+            out = self._launch_one(plan, kern, n) if one else self._launch_split(plan, kern, n)
         else:
             run_stats.count("stream_hops")
             out = run_hopped(hop, lambda: self._launch_all(plan, kern, n))
-        if self.debug_sync and dev.type == "cuda":
+        layout = plan.layout if one else "HND"
+        if self.debug_sync and on_cuda:
             try:
-                torch.cuda.synchronize(dev)
+                torch.cuda.synchronize(n.q4.device)
             except RuntimeError as e:
                 raise RuntimeError(
                     f"SafeSage debug_sync: CUDA error right after {plan.describe()} "
-                    f"for q{tuple(q.shape)} k{tuple(k.shape)}: {e}") from e
-        return out
+                    f"for q{tuple(n.q.shape)} k{tuple(n.k.shape)}: {e}") from e
+        return out, layout
 
-    def run_captured(self, plan: Plan, n: Normalised) -> torch.Tensor:
+    def run_captured(self, plan: Plan, n: Normalised) -> tuple[torch.Tensor, str]:
         """Execute ``plan`` during CUDA-graph capture: on the caller's stream only (the caller
         chose a family that launches there), no stream hop, no debug sync."""
         kern = self.kernels[plan.kernel]
-        if kern.envelope.launches_on_legacy_stream and n.q.device.type == "cuda":
+        if kern.envelope.launches_on_legacy_stream and n.q4.is_cuda:
             raise RuntimeError(f"{plan.kernel} launches on the legacy stream: not under capture")
-        return self._launch_all(plan, kern, n)
+        return self._launch_all(plan, kern, n), plan.layout if one_launch(plan) else "HND"
 
     def _launch_all(self, plan: Plan, kern: Kernel, n: Normalised) -> torch.Tensor:
+        """The plan's launches; the result in the plan's layout for one launch, else HND."""
+        return self._launch_one(plan, kern, n) if one_launch(plan) else self._launch_split(plan, kern, n)
+
+    @staticmethod
+    def _launch_one(plan: Plan, kern: Kernel, n: Normalised) -> torch.Tensor:
+        """The whole call in one launch: q/k/v as views in the kernel's layout (none made when that
+        is the caller's), the repacked ones copied contiguous in it."""
+        layout = plan.layout
+        q, k, v = n.in_layout(layout)
+        if plan.repack:
+            rp = plan.repack
+            q, k, v = (q.contiguous() if "q" in rp else q, k.contiguous() if "k" in rp else k,
+                       v.contiguous() if "v" in rp else v)
+        return kern.fn(q, k, v, layout, n.scale)
+
+    def _launch_split(self, plan: Plan, kern: Kernel, n: Normalised) -> torch.Tensor:
+        """A plan of several launches (head groups, query chunks, key chunks) into one HND output."""
         q, k, v = n.q, n.k, n.v
         B, H, Sq, D = q.shape
         Skv = k.shape[2]
@@ -90,9 +115,6 @@ class Executor:
             else:
                 o = kern.fn(qs, ks, vs, "HND", n.scale)
             return o
-
-        if g >= H and qc >= Sq and kc >= Skv:
-            return launch(prep(q, "q"), prep(k, "k"), prep(v, "v"))
 
         out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
         for h0 in range(0, H, g):

@@ -24,9 +24,9 @@ from ..facts import compiler
 from .. import contain
 from ..ui import run_stats
 from .plans import PlanChoice, Prepared, shape_key
-from .special_calls import INSIDE, ContextCalls, compiling, special_context, unwrap_attn
+from .special_calls import INSIDE, INSIDE_KW, ContextCalls, capturing, torch_is_compiling, unwrap_attn
 from ..facts.budget import BudgetReader
-from .call_forms import Normalised, UnsupportedCall, base_alignment, normalise
+from .call_forms import Normalised, UnsupportedCall, base_alignment, call_arguments, read_form, signature
 from .comfy_functions import comfy_function, function_name, unguarded_kind
 from ..families.envelope import FAMILIES, check
 from .errors import is_build_error, is_cuda_error, is_oom
@@ -88,6 +88,11 @@ class SafeAttention(PlanChoice, ContextCalls):
         self.quality = quality or QualityGuard(policy.quality, policy.probe_step, policy.exact_steps)
         self._quality_told = False                   # "no sampling step seen" said (once per override)
         self._init_context()
+        self._quality_on = self.quality.active and self._may_guard   # the guard may change a call's plan
+        guarded = [k for f, k in self.kernels.items() if f != "sdpa"]
+        self._masks_guarded = any(k.envelope.supports_mask for k in guarded)
+        self._mask_reason = ("attention mask: no guarded kernel takes one ("
+                             + ", ".join(k.family for k in guarded) + ")")
 
     @property
     def broken(self) -> dict[str, str]:
@@ -110,31 +115,85 @@ class SafeAttention(PlanChoice, ContextCalls):
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
         # torch.compile, CUDA-graph capture, inside another SafeSage: special_calls.py
         func = unwrap_attn(func)
-        if compiling():                 # traced by dynamo: nothing else first (special_calls.py)
+        if torch_is_compiling():        # traced by dynamo: nothing else first (special_calls.py)
             return self._compiled_call(func, args, kwargs)
         try:                            # the containment boundary (contain.py)
-            if special_context(kwargs):     # CUDA-graph capture, or inside another SafeSage
+            if INSIDE_KW in kwargs or INSIDE.get():     # inside another SafeSage
                 return self._special_call(func, args, kwargs)
-            return self._call(func, args, kwargs)
+            return self._call(func, args, kwargs)   # CUDA-graph capture: asked there
         except Exception as e:          # noqa: BLE001 - SafeSage's own error: see _contained
             run = self._contained(e, func, kwargs)
         return run(*args, **kwargs)     # outside the handler: ComfyUI's errors are not chained to ours
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        run_stats.count("attention_calls")
+        """A call outside torch.compile and outside another SafeSage. A repeated signature
+        (call_forms.signature) takes the fast path: its plan, found in one lookup, and the call
+        bound to its form without being read again; a new one is read in full (:meth:`_first_call`).
+        Where no guarded kernel can take any call, the call goes straight to what ComfyUI runs."""
         if self.layer_functions:
             func = self._layer_function(kwargs, func)
-        try:
-            n = normalise(args, kwargs)
-        except UnsupportedCall as e:
-            run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
-            return self._run_comfy(func, args, kwargs, None)
-        if self.quality.active and self._may_guard:
+        a = call_arguments(args, kwargs)
+        if self.previous is None and (not self._may_guard or kwargs.get("low_precision_attention", True) is False
+                                      or (a[4] is not None and not self._masks_guarded)):
+            # no guarded kernel takes it, whatever it is (ComfyUI's attention_sage asks the same
+            # first: full precision asked for, or a mask): ComfyUI's function, the call not read
+            c = run_stats.counts()
+            c["attention_calls"] = c.get("attention_calls", 0) + 1
+            c["plan:sdpa"] = c.get("plan:sdpa", 0) + 1
+            if a[4] is not None and self._may_guard:
+                run_stats.fallback(self._mask_reason)
+            if self._quality_on:
+                self.quality.count_call(kwargs.get("transformer_options"))
+            return contain.run_comfy(self._what_comfy_runs(func), *args, **kwargs)
+        key = signature(func, a, kwargs)
+        if key is None:
+            return self._first_call(func, args, kwargs, a, None)
+        guard = self
+        p = self._prepared.get(key)
+        if p is None and a[0].is_cuda:              # a GPU of another arch: its guard's plans
+            guard = self._guard_for(a[0].device)
+            p = guard._prepared.get(key) if guard is not None else None
+        if p is None or p.func is not func:
+            return self._first_call(func, args, kwargs, a, key)
+        if p.cuda and capturing():
+            return self._captured_call(func, args, kwargs)
+        if p.never_guarded and self.previous is None:
+            # no guarded kernel can take this signature under any budget (a mask, a head size no
+            # family runs, ...): ComfyUI's function, counted as on the full path
+            c = run_stats.counts()
+            c["attention_calls"] = c.get("attention_calls", 0) + 1
+            c[p.count_key] = c.get(p.count_key, 0) + 1
+            if p.fallback_reason:
+                run_stats.fallback(p.fallback_reason, p.shape_key)
+            if self._quality_on:
+                self.quality.count_call(kwargs.get("transformer_options"))
+            return contain.run_comfy(self._what_comfy_runs(func), *args, **kwargs)
+        n = p.form.bind(a, kwargs)
+        n.prepared = p
+        if self._quality_on:
             self._quality_context(n, kwargs)
-        out = self.attend(n, func)      # an error of SafeSage's own here: the boundary (__call__)
+        out = guard.attend_prepared(p, n, func)
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
-        return n.finish(out)
+        return n.finish(*out)
+
+    def _first_call(self, func: Callable, args: tuple, kwargs: dict, a: tuple, key: tuple | None) -> Any:
+        """A call read in full: a new signature (its plan is prepared and kept under ``key``), or
+        one of no plain signature (``key`` None)."""
+        if capturing():
+            return self._captured_call(func, args, kwargs)
+        try:
+            n = read_form(a, kwargs).bind(a, kwargs)
+        except UnsupportedCall as e:
+            run_stats.count("attention_calls")
+            run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
+            return self._run_comfy(func, args, kwargs, None)
+        if self._quality_on:
+            self._quality_context(n, kwargs)
+        out = self.attend(n, func, key)     # an error of SafeSage's own here: the boundary (__call__)
+        if out is None:
+            return self._run_comfy(func, args, kwargs, n)
+        return n.finish(*out)
 
     @contain.boundary
     def _contained(self, e: Exception, func: Callable, kwargs: dict) -> Callable:
@@ -203,7 +262,7 @@ class SafeAttention(PlanChoice, ContextCalls):
         kind = self.previous_kind
         if kind is None or n is None:
             return False
-        rt = (self._guard_for(n.q.device) or self).rt      # the facts of the GPU this call runs on
+        rt = (self._guard_for(n.q4.device) or self).rt      # the facts of the GPU this call runs on
         fam = rt.sage_family if kind == "sage" else rt.ck_family
         env = FAMILIES.get(fam) if fam else None
         if env is None:
@@ -226,39 +285,53 @@ class SafeAttention(PlanChoice, ContextCalls):
                     function_name(self._what_comfy_runs(func)))
         return True
 
-    def attend(self, n: Normalised, func: Callable | None = None) -> torch.Tensor | None:
-        """Plan (cached per call signature), run a guarded kernel, verify the first call of each
-        class. None: no guarded kernel takes this call (the caller runs ComfyUI's own)."""
-        q = n.q
-        if q.shape[2] == 0:
+    def attend(self, n: Normalised, func: Callable | None = None,
+               key: tuple | None = None) -> tuple[torch.Tensor, str] | None:
+        """Plan (cached per call signature: ``key``, the call's raw signature, else the normalised
+        one), run a guarded kernel, verify the first call of each class. Returns the result and
+        its layout (Executor.run); None: no guarded kernel takes this call (the caller runs
+        ComfyUI's own)."""
+        q = n.q4
+        if n.q.shape[2] == 0:
+            run_stats.count("attention_calls")
             run_stats.count("plan:empty")
             return None
         guard = self._guard_for(q.device)
         if guard is not self:
             if guard is not None:
-                return guard.attend(n, func)
+                return guard.attend(n, func, key)
+            run_stats.count("attention_calls")
             run_stats.count("plan:other_gpu")
             run_stats.fallback(f"a call on {q.device}, another kind of GPU than the one the kernels handed to "
                             f"SafeSage are for ({self.rt.arch_name}): ComfyUI's own attention")
             return None
-        key = self._call_key(n, func)
+        if key is None:
+            key = self._call_key(n, func)
         p = self._prepared.get(key)
-        if p is None:
+        if p is None or p.func is not func:
             p = self._remember(self._prepared, key, self._prepare(n, func))   # the newest signatures
         n.prepared = p
-        plan = self._within_budget(p, q.device)
+        return self.attend_prepared(p, n, func)
+
+    def attend_prepared(self, p: Prepared, n: Normalised, func: Callable | None) -> tuple[torch.Tensor, str] | None:
+        """:meth:`attend` for a call whose signature's plan ``p`` is known (this GPU's). Counts the
+        call and its plan (this thread's own counts: no lock)."""
+        c = run_stats.counts()
+        c["attention_calls"] = c.get("attention_calls", 0) + 1
+        plan = p.plan if p.fixed else self._within_budget(p, n.q4.device)
         st = n.run
         if st is not None and st.mode in (quality_guard.CHOSEN, quality_guard.EXACT, quality_guard.REPORT):
             plan = self._quality_plan(p, plan, st, n)   # the report step runs the choices too
             if plan is None:
                 return None             # ComfyUI's own attention, as the quality guard chose
-        run_stats.count(p.count_key if plan is p.plan else f"plan:{plan.kind}")
+        ck = p.count_key if plan is p.plan else f"plan:{plan.kind}"
+        c[ck] = c.get(ck, 0) + 1
         if plan.kind == "sdpa":
             if plan.reasons:       # not a guarded kernel because none could run it
-                run_stats.fallback("; ".join(plan.reasons), p.shape_key)
+                run_stats.fallback(p.fallback_reason if plan is p.plan else "; ".join(plan.reasons), p.shape_key)
             return None
         try:
-            out = self.executor.run(plan, n)
+            out, layout = self.executor.run(plan, n)
         except Exception as e:
             if is_cuda_error(e):
                 raise          # sticky and asynchronous: nothing can be recomputed after it
@@ -272,14 +345,17 @@ class SafeAttention(PlanChoice, ContextCalls):
             # drops nothing beyond this call: one odd call never disables a kernel.
             return self._fall_back(p, plan, f"{plan.kernel} raised {type(e).__name__}: {e}",
                                    scope="family" if is_build_error(e) else "call")
-        ck = p.class_keys.get(plan.kernel)
-        if ck is None:
-            ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
-        if self.verifier.needs_probe(ck):
-            out = self._verify(p, plan, ck, n, out)
+        if plan.kernel not in p.checked:
+            ck = p.class_keys.get(plan.kernel)
+            if ck is None:
+                ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
+            if self.verifier.needs_probe(ck):
+                out = self._verify(p, plan, ck, n, out, layout)
+            elif self.verifier.mode != "every":
+                p.checked.add(plan.kernel)     # its class has a verdict: not asked again for this signature
         if st is not None and out is not None and st.mode in (quality_guard.PROBE, quality_guard.REPORT):
-            self.quality.measure(self, st, n.block, p.klass, n, func, plan, out)
-        return out
+            self.quality.measure(self, st, n.block, p.klass, n, func, plan, n.to_hnd(out, layout))
+        return None if out is None else (out, layout)
 
     def _quality_context(self, n: Normalised, kwargs: dict) -> None:
         """The quality guard's run and the call's block (quality/guard.py), when a forward of this
@@ -307,7 +383,7 @@ class SafeAttention(PlanChoice, ContextCalls):
         if fam is None or fam == plan.kernel:
             return plan
         quality_guard.STATS.bump("moved_calls")
-        return self._family_plan(p, fam, n.q.device) if fam != "sdpa" else None
+        return self._family_plan(p, fam, n.q4.device) if fam != "sdpa" else None
 
     @staticmethod
     def _call_key(n: Normalised, func: Callable | None) -> tuple:
@@ -347,11 +423,13 @@ class SafeAttention(PlanChoice, ContextCalls):
 
 
 
-    def _verify(self, p: "Prepared", plan: Plan, ck: tuple, n: Normalised, out: torch.Tensor) -> torch.Tensor | None:
+    def _verify(self, p: "Prepared", plan: Plan, ck: tuple, n: Normalised, out: torch.Tensor,
+                layout: str) -> torch.Tensor | None:
         # under ComfyUI's compiler: a first-step-only allocation would be a graph break on step 2
         try:
             with compiler.paused():
-                verdict = compare(out, n.q, n.k, n.v, n.scale, self.kernels[plan.kernel].tolerance)
+                verdict = compare(n.to_hnd(out, layout), n.q, n.k, n.v, n.scale,
+                                  self.kernels[plan.kernel].tolerance)
         except Exception as e:
             if not is_oom(e):
                 raise

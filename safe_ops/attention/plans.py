@@ -44,6 +44,13 @@ class Prepared:
     previous_viol: list | None = None  # the chained override's kernel's violations by this call
     klass: tuple = ()                 # the class of call the quality guard keys its choices by
     by_family: dict = field(default_factory=dict)  # quality guard: (family, budget or run) -> plan
+    func: Any = None                  # ComfyUI's function the signature was planned for (its id is in the key)
+    form: Any = None                  # call_forms.CallForm: how the next call of the signature is read
+    cuda: bool = False                # a CUDA call (asked whether it is being captured)
+    fixed: bool = False               # the plan never moves with the budget (a fixed budget, none off CUDA, SDPA first)
+    checked: set = field(default_factory=set)  # families whose class of this call has a verdict (not asked again)
+    never_guarded: bool = False       # no guarded kernel takes this signature under any budget
+    fallback_reason: str = ""         # why not, when a guarded kernel was a candidate (counted per call)
 
 
 class PlanChoice:
@@ -94,21 +101,20 @@ class PlanChoice:
         plan on a later step would allocate differently: a graph break)."""
         if self.policy.max_extra_bytes is not None or not p.envelopes:
             return p.plan
-        if compiler.enabled(device):
+        if compiler.enabled_now(device):
             run = compiler.run_id()          # the calling thread's run: another thread's keeps its plan
             plan = p.run.get(run)
             if plan is None:
-                plan = self._remember(p.run, run, self._by_budget(p, device), RUNS_KEPT)
+                plan = self._remember(p.run, run, self._by_budget(p, self._budget(device)), RUNS_KEPT)
             return plan
-        return self._by_budget(p, device)
+        return self._by_budget(p, self._budget(device))
 
-    def _by_budget(self, p: "Prepared", device: torch.device) -> Plan:
+    def _by_budget(self, p: "Prepared", budget: int | None) -> Plan:
         """``p.by_budget`` is the signature's plan ladder (budget -> the plan chosen under it):
         a plan on it when budget.plan_on_ladder finds one, else planned again for the budget now
         and added. Every such ``choose`` is a re-plan: counted (``replans``) with the
         microseconds it stalled the call (``replan_us``)."""
-        budget = self._budget(device)            # None off CUDA: no budget, nothing to re-check
-        if budget is None:
+        if budget is None:                   # off CUDA: no budget, nothing to re-check
             return p.plan
         held = plan_on_ladder(p.by_budget, budget)
         if held is not None:
@@ -159,8 +165,14 @@ class PlanChoice:
         envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
         klass = (self.rt.arch_name,) + class_key("", "", call.dtype, call.head_dim, call.layout, call.heads,
                                                  call.kv_heads, call.q_len, call.kv_len)[2:]
+        # SDPA now, and with no limit on memory too: no budget makes a guarded kernel take it
+        never = plan.kind == "sdpa" and (budget is None or not envelopes
+                                         or choose(call, envelopes, None, tflops).kind == "sdpa")
         return Prepared(plan, call, key, f"plan:{plan.kind}", envelopes,
-                        {} if budget is None else {budget: plan}, {}, tflops, klass=klass)
+                        {} if budget is None else {budget: plan}, {}, tflops, klass=klass, func=func,
+                        form=n.form, cuda=n.q4.is_cuda,
+                        fixed=budget is None or not envelopes or never,
+                        never_guarded=never, fallback_reason="; ".join(plan.reasons))
 
     def _class_key(self, family: str, call: AttnCall) -> tuple:
         """Verdicts are per class of *call* (the caller's layout), whatever plan ran it, on this
@@ -186,7 +198,7 @@ class PlanChoice:
         kern = self.kernels.get(family)
         if kern is None:
             return None
-        slot = compiler.run_id() if compiler.enabled(device) else self._budget(device)
+        slot = compiler.run_id() if compiler.enabled_now(device) else self._budget(device)
         plan = p.by_family.get((family, slot))
         if plan is None:
             plan = choose(p.call, [kern.envelope], self._budget(device), None)
@@ -200,13 +212,14 @@ class PlanChoice:
         kern = self.kernels.get(family)
         if kern is None:
             return None
-        rows = Normalised(q_rows, n.k, n.v, n.heads, None, n.scale, n.caller_layout, True)
+        rows = n.with_queries(q_rows)
         call = self._describe(rows)
         plan = choose(call, [kern.envelope], self._budget(q_rows.device), None)
         if plan.kind == "sdpa":
             return None
         try:
-            return self.executor.run(plan, rows)
+            out, layout = self.executor.run(plan, rows)
+            return rows.to_hnd(out, layout)
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run is not a candidate
             if is_cuda_error(e) or is_oom(e):
                 raise

@@ -1,6 +1,8 @@
 """Attention calls in a special context: under torch.compile, during CUDA-graph capture, and
-inside another SafeSage (a mixin of attention.SafeAttention; ``special_context()`` is asked
-first in ``SafeAttention.__call__``).
+inside another SafeSage (a mixin of attention.SafeAttention). ``SafeAttention.__call__`` asks
+:func:`compiling` before anything else, then whether it runs inside another SafeSage; capture is
+asked before any plan of a call is used or made -- for a repeated signature only when it is a
+CUDA call (a CPU call is never captured), for a new one always.
 
 * **torch.compile** (``torch.compiler.is_compiling()``, asked before anything else): nothing here
   touches a ContextVar, a lock, a cache or a counter. A call no guarded kernel can take (policy
@@ -32,7 +34,7 @@ from ..facts import compiler
 from .. import contain
 from . import opaque_op
 from ..ui import run_stats
-from .call_forms import UnsupportedCall, normalise
+from .call_forms import UnsupportedCall, call_arguments, read_form, signature
 from .comfy_functions import comfy_function
 from .errors import is_cuda_error
 
@@ -44,6 +46,8 @@ INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("safesage_inside",
 INSIDE_KW = "_safesage_inside"
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or (lambda: False)
+#: torch's own ``torch.compiler.is_compiling`` (the override's hot path asks it without a frame of its own)
+torch_is_compiling = _is_compiling
 
 
 @contain.boundary
@@ -58,12 +62,6 @@ def capturing() -> bool:
         return torch.cuda.is_current_stream_capturing()
     except (RuntimeError, AssertionError):     # a torch built without CUDA
         return False
-
-
-def special_context(kwargs: dict) -> bool:
-    """Compiling, capturing, or inside another SafeSage (in that order: the ContextVar is read only
-    when not compiling)."""
-    return _is_compiling() or capturing() or INSIDE_KW in kwargs or INSIDE.get()
 
 
 @contain.boundary
@@ -141,11 +139,12 @@ class ContextCalls:
         run_stats.once(("capture",), logging.INFO, "SafeSage: attention calls during CUDA-graph capture run a "
                     "same-stream kernel planned and verified earlier, else ComfyUI's own function (no stream "
                     "hop, no check, no memory read)")
+        a = call_arguments(args, kwargs)
         try:
-            n = normalise(args, kwargs)
+            n = read_form(a, kwargs).bind(a, kwargs)
         except UnsupportedCall:
             n = None
-        plan = self._captured_plan(n, func) if n is not None else None
+        plan = self._captured_plan(n, func, signature(func, a, kwargs)) if n is not None else None
         if plan is not None:
             try:
                 out = self.executor.run_captured(plan, n)
@@ -158,18 +157,19 @@ class ContextCalls:
                             "this call", plan.kernel, type(e).__name__, e)
             else:
                 run_stats.count("captured_guarded")
-                return n.finish(out)
+                return n.finish(*out)
         return self._passthrough(func, args, kwargs, compiled=False)
 
-    def _captured_plan(self, n, func: Callable):
-        """The plan prepared earlier for this signature when it can run under capture, else None."""
+    def _captured_plan(self, n, func: Callable, key: tuple | None):
+        """The plan prepared earlier for this signature (``key``: its raw signature, else the
+        normalised one) when it can run under capture, else None."""
         q = n.q
         if q.shape[2] == 0 or (q.device.type == "cuda" and self.rt.arch is not None
                                and q.device.index not in (None, self._home)
                                and self._guards.get(q.device.index) is not self):
             return None
-        p = self._prepared.get(self._call_key(n, func))
-        if p is None:
+        p = self._prepared.get(self._call_key(n, func) if key is None else key)
+        if p is None or p.func is not func:
             return None
         plan = p.run.get(compiler.run_id()) or p.plan     # this run's plan under ComfyUI's compiler
         kern = self.kernels.get(plan.kernel)

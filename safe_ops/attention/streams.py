@@ -5,10 +5,17 @@ current. When the caller's stream is another one, the executor hops there (execu
 copy and temporary of the call is then allocated on the stream that reads it, so PyTorch's
 stream-ordered caching allocator protects each of them, and no tensor needs to be held past the
 call. Events are made through ``event_factory`` so tests can drive them without a GPU.
+
+One pair of events per device and thread, reused by every hop: a wait enqueued with
+``wait_event`` waits for the event's record *at the time of that call*, so recording the event
+again for the next hop cannot change what an earlier wait waits for. Per thread, because two
+threads hopping at once would otherwise record over each other's event between its record and its
+wait.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -28,30 +35,48 @@ class StreamHop:
     ``enter()`` makes ``target`` wait for everything already enqueued on
     ``origin``; ``exit()`` makes ``origin`` wait for everything enqueued on
     ``target`` since. Both are event waits enqueued on the device: the host
-    never blocks.
+    never blocks. ``events``: the (enter, exit) pair to record (reused across hops, see the
+    module docstring); when not given, each is made by ``event_factory``.
     """
     origin: Any
     target: Any
     event_factory: Callable[[], Any] = field(default=_cuda_event_factory)
+    events: tuple | None = None
 
     def enter(self) -> None:
-        ev = self.event_factory()
+        ev = self.event_factory() if self.events is None else self.events[0]
         ev.record(self.origin)
         self.target.wait_event(ev)
 
     def exit(self) -> Any:
-        ev = self.event_factory()
+        ev = self.event_factory() if self.events is None else self.events[1]
         ev.record(self.target)
         self.origin.wait_event(ev)
         return ev
 
 
+_local = threading.local()       # .events: device index -> this thread's (enter, exit) event pair
+_legacy: dict = {}               # device index -> its legacy default stream
+
+
 def legacy_hop(device: torch.device) -> StreamHop | None:
     """The hop from the caller's current stream of ``device`` to its legacy default stream (where
-    sage 2.x launches), or None when the caller already runs there."""
+    sage 2.x launches), or None when the caller already runs there. Its events are this thread's
+    pair for the device (made at its first hop)."""
     cur = torch.cuda.current_stream(device)
-    legacy = torch.cuda.default_stream(device)
-    return None if cur == legacy else StreamHop(cur, legacy)
+    idx = cur.device_index
+    legacy = _legacy.get(idx)
+    if legacy is None:
+        legacy = _legacy[idx] = torch.cuda.default_stream(device)
+    if cur == legacy:
+        return None
+    pairs = getattr(_local, "events", None)
+    if pairs is None:
+        pairs = _local.events = {}
+    events = pairs.get(idx)
+    if events is None:
+        events = pairs[idx] = (_cuda_event_factory(), _cuda_event_factory())
+    return StreamHop(cur, legacy, events=events)
 
 
 def run_hopped(hop: StreamHop, launch: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -193,6 +193,13 @@ class QualityGuard:
         return out
 
     # ---------------------------------------------------------------- measuring
+    def count_call(self, transformer_options) -> None:
+        """A call of this forward that no guarded kernel takes, passed on without being read: it
+        still counts in the n-th-call numbering of blocks (:meth:`block_of`)."""
+        st = self._runs.get(compiler.run_id())
+        if st is not None:
+            self.block_of(st, transformer_options)
+
     def block_of(self, st: RunState, transformer_options) -> int:
         """The block a call belongs to: ComfyUI's ``block_index`` (SafeSage fills it in for H3,
         blocks.py), else the n-th attention call of this forward."""

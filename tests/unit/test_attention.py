@@ -132,7 +132,7 @@ def test_strided_views_every_plan_matches_reference(S, kind):
     out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     ref = reference(q, k, v)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
-    assert report.STATS[f"plan:{kind}"] == 1
+    assert report.value(f"plan:{kind}") == 1
     assert kern.launches, "kernel must have run"
 
 
@@ -143,7 +143,7 @@ def test_head_group_boundary_is_exact():
         q, k, v = (torch.randn(1, 4, S, 16) for _ in range(3))
         out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-        assert report.STATS[f"plan:{kind}"] == 1
+        assert report.value(f"plan:{kind}") == 1
 
 
 def test_comfy_call_forms_and_output_shapes():
@@ -179,7 +179,7 @@ def test_mask_falls_back_to_sdpa_counted():
     w = torch.softmax(q.double() @ k.double().transpose(-1, -2) / 4 + mask.double(), -1)
     torch.testing.assert_close(out.double(), w @ v.double(), rtol=1e-5, atol=1e-5)
     assert not kern.launches and len(comfy.calls) == 1 and comfy.calls[0]["mask"] is mask
-    assert report.STATS["fallbacks"] == 1 and "mask" in next(iter(report.FALLBACKS))
+    assert report.value("fallbacks") == 1 and "mask" in next(iter(report.snapshot()["fallback_reasons"]))
 
 
 def test_unsupported_head_dim_and_dtype_fall_back():
@@ -190,7 +190,7 @@ def test_unsupported_head_dim_and_dtype_fall_back():
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     q, k, v = (torch.randn(1, 2, 30, 16, dtype=torch.float64) for _ in range(3))
     att(comfy, q, k, v, 2, skip_reshape=True)
-    assert not kern.launches and report.STATS["fallbacks"] == 2 and len(comfy.calls) == 2
+    assert not kern.launches and report.value("fallbacks") == 2 and len(comfy.calls) == 2
 
 
 def test_sdpa_policy_never_launches_sage():
@@ -199,7 +199,7 @@ def test_sdpa_policy_never_launches_sage():
     q, k, v = h3_like(300)
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert not kern.launches and report.STATS["fallbacks"] == 0 and len(comfy.calls) == 1
+    assert not kern.launches and report.value("fallbacks") == 0 and len(comfy.calls) == 1
 
 
 # ------------------------------------------------------------------- bad inputs
@@ -220,8 +220,8 @@ def test_bad_inputs_are_passed_to_comfy_counted(args, kwargs, why):
 
     assert att(comfy_func, *args, **kwargs) == "comfy-result"
     assert seen and not kern.launches
-    assert report.STATS["fallbacks"] == 1
-    assert why in next(iter(report.FALLBACKS))
+    assert report.value("fallbacks") == 1
+    assert why in next(iter(report.snapshot()["fallback_reasons"]))
 
 
 def test_zero_length_queries_and_keys():
@@ -243,7 +243,7 @@ def test_nan_inputs_propagate_without_blaming_the_kernel():
     q[0, 0, 3] = float("nan")
     out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     assert torch.isnan(out[0, 0, 3]).all() and torch.isfinite(out[0, 1]).all()
-    assert report.STATS["probe_failures"] == 0
+    assert report.value("probe_failures") == 0
 
 
 # ----------------------------------------------------------------- verification
@@ -259,10 +259,10 @@ def test_probe_catches_broken_kernel_and_routes_away():
     q, k, v = (torch.randn(1, 4, 128, 16) for _ in range(3))
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert report.STATS["probe_failures"] == 1 and len(kern.launches) == 1
+    assert report.value("probe_failures") == 1 and len(kern.launches) == 1
     # later calls of the same class skip the broken kernel without probing it again
     att(comfy, q, k, v, 4, skip_reshape=True)
-    assert len(kern.launches) == 1 and report.STATS["probes"] == 1
+    assert len(kern.launches) == 1 and report.value("probes") == 1
 
 
 def test_probe_catches_a_length_threshold():
@@ -279,8 +279,8 @@ def test_probe_catches_a_length_threshold():
         q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
         out = att(comfy, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-4, atol=1e-4)
-    assert report.STATS["probe_failures"] == 1
-    assert report.STATS["probes"] == 2          # one size class below 4096, one above
+    assert report.value("probe_failures") == 1
+    assert report.value("probes") == 2          # one size class below 4096, one above
     # launches: 1000, 1000, 2000 (trusted), 6000 (probed, failed) -> 4; second 6000 not launched
     assert len(kern.launches) == 4
 
@@ -290,11 +290,11 @@ def test_probe_every_call_mode_and_off():
     q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
     for _ in range(3):
         att(raw, q, k, v, 2, skip_reshape=True)
-    assert report.STATS["probes"] == 3
+    assert report.value("probes") == 3
     report.reset()
     att2, _ = make_attn(policy=Policy(kernel="sage", verify="off"), corrupt=corrupt_tail)
     att2(raw, q, k, v, 2, skip_reshape=True)
-    assert report.STATS["probes"] == 0
+    assert report.value("probes") == 0
 
 
 def test_plan_cache_is_per_shape():
@@ -302,7 +302,7 @@ def test_plan_cache_is_per_shape():
     q, k, v = h3_like(300)
     for _ in range(5):
         att(raw, q, k, v, 4, skip_reshape=True)
-    assert len(att._prepared) == 1 and report.STATS["plan:repack"] == 5
+    assert len(att._prepared) == 1 and report.value("plan:repack") == 5
     assert len(report.PLANS) == 1
 
 
@@ -315,7 +315,10 @@ def test_normalise_accepts_comfys_call_forms_as_views():
     mask = torch.zeros(10, 10)
     n = normalise((h, h, h, 4), {"skip_reshape": True, "skip_output_reshape": True, "mask": mask})
     assert n.q is h and n.caller_layout == "HND" and n.skip_output_reshape
-    assert n.mask.shape == (1, 1, 10, 10) and n.mask.data_ptr() == mask.data_ptr()
+    assert n.mask is mask          # only its presence matters: no guarded kernel takes a mask
+    q3 = torch.randn(1, 10, 64)
+    n = normalise((q3, q3, q3, 4), {})
+    assert n.in_layout("NHD")[0].shape == (1, 10, 4, 16) and n.in_layout("NHD")[0].data_ptr() == q3.data_ptr()
 
 
 @pytest.mark.parametrize("args,kwargs,why", [
@@ -350,7 +353,7 @@ def test_full_precision_request_is_honoured():
     q, k, v = (torch.randn(1, 4, 30, 16) for _ in range(3))
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True, low_precision_attention=False)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert not kern.launches and report.STATS["plan:sdpa"] == 1
+    assert not kern.launches and report.value("plan:sdpa") == 1
     assert comfy.calls[0]["low_precision_attention"] is False, "the caller's arguments reach ComfyUI untouched"
     att(comfy, q, k, v, 4, skip_reshape=True)
     assert len(kern.launches) == 1
@@ -367,7 +370,7 @@ def test_kernel_wrong_for_one_dtype_is_caught_for_that_class_only():
         q, k, v = (torch.randn(1, 2, 128, 16).to(dt) for _ in range(3))
         out = att(comfy, q, k, v, 2, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=2e-3, atol=2e-3)
-    assert report.STATS["probe_failures"] == 1 and report.STATS["probes"] == 2
+    assert report.value("probe_failures") == 1 and report.value("probes") == 2
     assert len(kern.launches) == 3     # fp32, fp16 (caught), fp32; the second fp16 call skipped sage
 
 
@@ -386,12 +389,12 @@ def test_kernel_raising_at_call_time_falls_back_and_is_not_used_again(caplog):
     q, k, v = h3_like(100)
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert report.STATS["kernel_errors"] == 1 and report.STATS["fallbacks"] == 1
+    assert report.value("kernel_errors") == 1 and report.value("fallbacks") == 1
     assert "SM90 kernel is not available" in caplog.text and "toy_sage" in att.broken
     # another shape: the family is not tried again
     q2, k2, v2 = h3_like(60)
     att(comfy, q2, k2, v2, 4, skip_reshape=True)
-    assert len(calls) == 1 and report.STATS["plan:sdpa"] == 1
+    assert len(calls) == 1 and report.value("plan:sdpa") == 1
 
 
 def test_cuda_error_is_not_swallowed():
@@ -418,9 +421,9 @@ def test_probe_checks_every_batch_element_middle_heads_and_tail_rows():
                           corrupt=nan_in_tail)
     q, k, v = (torch.randn(2, 8, 1000, 16) for _ in range(3))
     out = att(comfy, q, k, v, 8, skip_reshape=True, skip_output_reshape=True)
-    assert report.STATS["probe_failures"] == 1
+    assert report.value("probe_failures") == 1
     assert torch.isfinite(out).all()          # the SDPA recomputation was returned
-    assert any("non-finite output" in r for r in report.FALLBACKS)
+    assert any("non-finite output" in r for r in report.snapshot()["fallback_reasons"])
 
 
 def test_probe_fails_when_the_error_is_nan():
@@ -441,7 +444,7 @@ def test_nan_inputs_everywhere_are_inconclusive_and_probed_again():
     k[0, :, 7] = float("nan")                  # every query row's reference is NaN
     for _ in range(2):
         att(raw, q, k, v, 4, skip_reshape=True)
-    assert report.STATS["probes"] == 2 and report.STATS["probe_failures"] == 0
+    assert report.value("probes") == 2 and report.value("probe_failures") == 0
 
 
 def test_probe_rows_and_heads_cover_the_tail_and_the_middle():
@@ -505,7 +508,7 @@ def test_auto_prices_kv_chunks_against_sdpa(small_kv_chunks, monkeypatch, toy_tf
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-4)
-    assert report.STATS[f"plan:{want}"] == 1 and not report.FALLBACKS
+    assert report.value(f"plan:{want}") == 1 and not report.snapshot()["fallback_reasons"]
     assert (len(fn.kv_lens) > 1) == (want == "kv_chunks")
 
 
@@ -526,7 +529,7 @@ def test_kv_chunks_merge_matches_sdpa(small_kv_chunks, S, limit, centred):
     out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
     torch.testing.assert_close(out.double(), ref, rtol=2e-5, atol=2e-5)
-    assert report.STATS["plan:kv_chunks"] == 1
+    assert report.value("plan:kv_chunks") == 1
     plan = next(iter(att._prepared.values())).plan
     n = -(-S // plan.kv_chunk)
     # every launch saw fewer keys than the rule allows, equal chunks of 16-token multiples; all 4
@@ -570,7 +573,7 @@ def test_kernel_without_lse_never_gets_kv_chunks(small_kv_chunks):
     q, k, v = h3_like(150)
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert report.STATS["plan:sdpa"] == 1 and not fn.launches
+    assert report.value("plan:sdpa") == 1 and not fn.launches
 
 
 def test_lse_merge_is_exact_and_shift_invariant():
@@ -615,8 +618,8 @@ def test_plan_follows_the_budget_when_free_memory_moves():
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
         launches.append(len(kern.launches))
     assert launches[0] < launches[1] and launches[2] == launches[0]
-    assert report.STATS["replans"] == 1           # tight: re-planned; back to the cached one after
-    assert report.STATS["plan:sdpa"] == 0
+    assert report.value("replans") == 1           # tight: re-planned; back to the cached one after
+    assert report.value("plan:sdpa") == 0
 
 
 def test_auto_order_and_explanation(monkeypatch):
@@ -720,11 +723,11 @@ def test_budget_replan_to_sdpa_is_a_counted_fallback_and_verifies_nothing():
     att._budget = lambda dev: budget["now"]
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert not kern.launches and report.STATS["fallbacks"] == 1 and report.STATS["probes"] == 0
-    assert any("memory budget" in r for r in report.FALLBACKS)
+    assert not kern.launches and report.value("fallbacks") == 1 and report.value("probes") == 0
+    assert any("memory budget" in r for r in report.snapshot()["fallback_reasons"])
     budget["now"] = 10**12                             # memory is back: the kernel runs and is probed
     att(comfy, q, k, v, 4, skip_reshape=True)
-    assert kern.launches and report.STATS["probes"] == 1
+    assert kern.launches and report.value("probes") == 1
 
 
 def test_out_of_memory_in_a_kernel_falls_back_for_that_call_only():
@@ -741,9 +744,9 @@ def test_out_of_memory_in_a_kernel_falls_back_for_that_call_only():
     q, k, v = h3_like(100)
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert report.STATS["oom_fallbacks"] == 1 and not att.broken
+    assert report.value("oom_fallbacks") == 1 and not att.broken
     att(comfy, q, k, v, 4, skip_reshape=True)             # the kernel is used again
-    assert report.STATS["oom_fallbacks"] == 1 and report.STATS["fallbacks"] == 1
+    assert report.value("oom_fallbacks") == 1 and report.value("fallbacks") == 1
 
 
 @pytest.mark.parametrize("msg,sticky", [
@@ -765,7 +768,7 @@ def test_only_sticky_cuda_errors_propagate(msg, sticky):
     else:
         out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
         torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-        assert "toy_sage" in att.broken and report.STATS["kernel_errors"] == 1
+        assert "toy_sage" in att.broken and report.value("kernel_errors") == 1
 
 
 def test_budget_is_read_at_most_every_poll_interval_and_bucketed(monkeypatch):
@@ -808,11 +811,11 @@ def test_probe_out_of_memory_is_inconclusive_not_a_failed_prompt(monkeypatch, ca
         torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 600.00 MiB")))
     out = att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)   # the kernel's
-    assert report.STATS["probes_inconclusive"] == 1 and report.STATS["probes"] == 0
+    assert report.value("probes_inconclusive") == 1 and report.value("probes") == 0
     assert "no memory to check" in caplog.text
     monkeypatch.setattr(A, "compare", real)
     att(raw, q, k, v, 4, skip_reshape=True)                       # checked again, now it can
-    assert report.STATS["probes"] == 1 and len(kern.launches) == 2
+    assert report.value("probes") == 1 and len(kern.launches) == 2
 
 
 def test_an_odd_error_of_one_call_disables_nothing(caplog):
@@ -831,7 +834,7 @@ def test_an_odd_error_of_one_call_disables_nothing(caplog):
     q, k, v = h3_like(100)
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert not att.broken and report.STATS["call_fallbacks"] == 1 and len(comfy.calls) == 1
+    assert not att.broken and report.value("call_fallbacks") == 1 and len(comfy.calls) == 1
     att(comfy, q, k, v, 4, skip_reshape=True)
     assert len(calls) == 2 and len(comfy.calls) == 1, "the kernel runs the next call"
 

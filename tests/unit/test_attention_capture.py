@@ -55,18 +55,41 @@ def _att(state, legacy_stream=False):
     return att, kern
 
 
+def as_cuda_calls(att):
+    """The toy's CPU signatures stand in for CUDA ones: a CPU call is never captured, so at a
+    repeated signature SafeSage asks whether the stream is captured only for a CUDA call."""
+    for p in att._prepared.values():
+        p.cuda = True
+
+
+def test_a_repeated_cpu_signature_is_not_asked_about_capture(capture, monkeypatch):
+    att, kern = _att(capture)
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: asked.append(1) or False)
+    q, k, v = h3_like(100)
+    comfy = ComfyFunc()
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(asked) == 1, "a new signature: asked before its plan is made"
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(asked) == 1 and len(kern.launches) == 2
+    as_cuda_calls(att)
+    att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(asked) == 2, "a CUDA call's repeated signature: asked"
+
+
 def test_capture_runs_the_plan_verified_earlier(capture):
     att, kern = _att(capture)
     comfy = ComfyFunc()
     q, k, v = h3_like(100)
     att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)      # eager: plan + verify
     assert capture["probes"] == 1 and len(kern.launches) == 1 and capture["budget_reads"] > 0
+    as_cuda_calls(att)
     capture["on"] = True
     out = att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
-    assert len(kern.launches) == 2 and not comfy.calls and run_stats.STATS["internal_errors"] == 0
+    assert len(kern.launches) == 2 and not comfy.calls and run_stats.value("internal_errors") == 0
     assert capture["probes_in_capture"] == 0 and capture["budget_reads_in_capture"] == 0
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
-    assert run_stats.STATS["captured_calls"] == 1 and run_stats.STATS["captured_guarded"] == 1
+    assert run_stats.value("captured_calls") == 1 and run_stats.value("captured_guarded") == 1
 
 
 def test_capture_a_call_that_needs_a_probe_runs_comfys_function(capture):
@@ -78,7 +101,7 @@ def test_capture_a_call_that_needs_a_probe_runs_comfys_function(capture):
     torch.testing.assert_close(out.double(), reference(q, k, v), rtol=1e-5, atol=1e-5)
     assert not kern.launches and len(comfy.calls) == 1
     assert capture["probes"] == 0 and capture["budget_reads"] == 0 and capture["probes_in_capture"] == 0
-    assert run_stats.STATS["captured_calls"] == 1 and run_stats.STATS["captured_guarded"] == 0
+    assert run_stats.value("captured_calls") == 1 and run_stats.value("captured_guarded") == 0
 
 
 def test_capture_a_plan_that_needs_a_stream_hop_runs_comfys_function(capture):
@@ -88,6 +111,7 @@ def test_capture_a_plan_that_needs_a_stream_hop_runs_comfys_function(capture):
     att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)      # eager (CPU: no hop)
     assert len(kern.launches) == 1
     reads = capture["budget_reads"]
+    as_cuda_calls(att)
     capture["on"] = True
     att(comfy, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
     assert len(kern.launches) == 1 and len(comfy.calls) == 1

@@ -67,7 +67,7 @@ def test_the_chained_override_is_judged_with_the_calls_gpu(two_gpus, monkeypatch
     prev.__name__ = "attention_sage"
     att = SafeAttention(Policy(kernel="sage", verify="off"), previous=prev)
     assert att.previous_kind == "sage"
-    n = type("N", (), {"q": type("Q", (), {"device": torch.device("cuda", 1)})(), "prepared": None})()
+    n = type("N", (), {"q4": type("Q", (), {"device": torch.device("cuda", 1)})(), "prepared": None})()
     assert att._previous_unsafe(n, None) is False          # no envelope found: nothing to judge
     assert seen == ["fam_sm120"]
 
@@ -77,7 +77,8 @@ def test_an_error_in_safesages_own_code_never_fails_the_prompt(monkeypatch, capl
     on the GPU) runs ComfyUI's own attention for the call, counted and logged once with its
     traceback; a sticky CUDA error is raised (nothing can be recomputed after it)."""
     run_stats.reset()
-    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[], rt=RTS[0])
+    att = SafeAttention(Policy(kernel="sage", verify="off"), kernels=[Kernel(SAGE1_TRITON, lambda *a, **k: None, 0.05)],
+                        rt=RTS[0])
     calls = []
 
     def comfy(q, k, v, heads, **kw):

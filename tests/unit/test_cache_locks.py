@@ -20,10 +20,11 @@ from safe_ops.facts import budget, compiler
 from safe_ops.models.h3 import mlp
 from safe_ops.ui import run_stats as report
 from safe_ops.attention.override import SafeAttention
+from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 
 from lockcheck import CountingLock, Ledger, guard
-from test_attention import CPU_RT, h3_like, make_attn
+from test_attention import CPU_RT, EnvelopeAssertingKernel, h3_like, make_attn, toy_envelope
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +54,9 @@ def _in_thread(fn):
 
 def test_attention_caches_change_under_their_lock(monkeypatch):
     monkeypatch.setattr(report, "MAX_KEYS", 2)
-    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[], rt=CPU_RT)
+    env = toy_envelope()
+    att = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[Kernel(env, EnvelopeAssertingKernel(env), 0.05)],
+                        rt=CPU_RT)
     lock, ledger = CountingLock(), Ledger()
     att._cache_lock = lock
     att._prepared = guard(att._prepared, lock, ledger, "_prepared")

@@ -66,6 +66,9 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
+import threading  # noqa: E402
+
+from safe_ops.attention import streams  # noqa: E402
 from safe_ops.ui import run_stats  # noqa: E402
 from safe_ops.attention.executor import Executor  # noqa: E402
 from safe_ops.families.family import Kernel  # noqa: E402
@@ -98,11 +101,15 @@ class FakeCuda:
                 return name
         s = S()
         s.name = name
+        s.device_index = 0
         return s
 
     def install(self, monkeypatch):
         fake = self
-        events = []
+        events = self.events = []
+        # the legacy stream and this thread's event pair are kept per device: fresh for each fake
+        monkeypatch.setattr(streams, "_legacy", {})
+        monkeypatch.setattr(streams, "_local", threading.local())
 
         class Event:
             def __init__(self):
@@ -143,9 +150,10 @@ class FakeCuda:
 def fake_executor(fake, legacy=True, raises=None):
     env = dataclasses.replace(toy_envelope(), launches_on_legacy_stream=legacy)
     ex = Executor({"fam": Kernel(env, lambda *a: None, 0.05)})
-    ex._launch_all = lambda plan, kern, n: fake.launch(raises)
-    q = SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2, 8, 16))
-    return ex, SimpleNamespace(kernel="fam"), SimpleNamespace(q=q, k=q, v=q)
+    ex._launch_all = ex._launch_one = lambda plan, kern, n: fake.launch(raises)
+    q = SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2, 8, 16), is_cuda=True)
+    plan = SimpleNamespace(kernel="fam", layout="HND", head_group=0, q_chunk=0, kv_chunk=0)
+    return ex, plan, SimpleNamespace(q4=q, q=q, k=q, v=q)
 
 
 HOPPED = [("record", "caller", 0), ("wait", "legacy", 0),          # enter: legacy after the caller's work
@@ -168,7 +176,23 @@ def test_executor_hops_a_legacy_stream_launch_and_back(monkeypatch, fresh_report
     ex, plan, n = fake_executor(fake)
     ex.run(plan, n)
     assert fake.trace == HOPPED + [("record_stream", "caller")]
-    assert run_stats.STATS["stream_hops"] == 1 and fake.current is fake.caller
+    assert run_stats.value("stream_hops") == 1 and fake.current is fake.caller
+
+
+def test_hops_reuse_one_event_pair_per_device_and_thread(monkeypatch, fresh_report):
+    """Every hop records the same two events (a wait already enqueued keeps the record it saw);
+    another thread gets a pair of its own (two threads recording one event at once would make
+    one's wait follow the other's record)."""
+    fake = FakeCuda().install(monkeypatch)
+    ex, plan, n = fake_executor(fake)
+    for _ in range(3):
+        ex.run(plan, n)
+    assert len(fake.events) == 2 and fake.trace == 3 * (HOPPED + [("record_stream", "caller")])
+    t = threading.Thread(target=lambda: ex.run(plan, n))
+    t.start()
+    t.join()
+    second = [(t[0], t[1], t[2] + 2) if t[0] in ("record", "wait") else t for t in HOPPED]
+    assert len(fake.events) == 4 and fake.trace[-8:] == second + [("record_stream", "caller")]
 
 
 @pytest.mark.parametrize("current,legacy", [("legacy", True), ("caller", False)])
@@ -178,7 +202,7 @@ def test_executor_does_not_hop_when_not_needed(monkeypatch, fresh_report, curren
     fake = FakeCuda(current).install(monkeypatch)
     ex, plan, n = fake_executor(fake, legacy=legacy)
     ex.run(plan, n)
-    assert fake.trace == [("launch", current)] and run_stats.STATS["stream_hops"] == 0
+    assert fake.trace == [("launch", current)] and run_stats.value("stream_hops") == 0
 
 
 def test_executor_hop_exits_also_when_the_kernel_raises(monkeypatch, fresh_report):
