@@ -168,3 +168,30 @@ def test_mlp_auto_chunk_kept_for_the_run(prefetch, monkeypatch):
     free["b"] = 100 * 2**30
     later()
     assert mlp.chunk_for_call("auto", 50_000, 5376, 14336, torch.bfloat16, dev) == a, "no compiler: follows memory"
+
+
+def test_comfys_compiler_is_asked_once_per_forward_not_per_call(prefetch, monkeypatch):
+    """ComfyUI's malloc_graph_enabled is asked once per device in a forward (the DIFFUSION_MODEL
+    wrapper starts one), whatever the number of attention calls; the next forward asks again."""
+    asked = []
+    real = prefetch.malloc_graph_enabled
+    monkeypatch.setattr(prefetch, "malloc_graph_enabled", lambda device: asked.append(device) or real(device))
+    att, kern = make_attn()
+    att._budget = lambda dev: 10**12
+    q, k, v = h3_like(300)
+    for _ in range(5):
+        att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(asked) == 1 and len(kern.launches) >= 5
+    compiler.forward_started()
+    att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(asked) == 2
+
+
+def test_the_diffusion_model_wrapper_starts_a_forward(prefetch, monkeypatch):
+    from safe_ops import patch
+    asked = []
+    monkeypatch.setattr(prefetch, "malloc_graph_enabled", lambda device: asked.append(device) or True)
+    dev = torch.device("cpu")
+    assert compiler.enabled_now(dev) and compiler.enabled_now(dev) and len(asked) == 1
+    patch._forward_wrapper(lambda *a, **k: "out", transformer_options={})
+    assert compiler.enabled_now(dev) and len(asked) == 2, "asked again in the new forward"
