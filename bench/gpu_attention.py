@@ -361,7 +361,12 @@ def main() -> None:
         child(args.S, args.layout, args.child_out)
         return
     if args.mode == "host":
+        from bench import host_path
         res = {"env": env_info(), "host_overhead": attention_sections.host_overhead(sys.modules[__name__], args.host_S)}
+        # SafeSage's own host time per call with null kernels (issue #29): same stream, hop, passthrough
+        res["host_path"] = host_path.measure("cuda")
+        for key in ("host_us_per_guarded_call", "host_us_per_passthrough_call", "host_us_per_hop_call"):
+            res[key] = res["host_path"][key]
     else:
         res = {"stress": stress, "bench": bench,
                "probe": lambda a: attention_sections.probe(sys.modules[__name__], a)}[args.mode](args)
