@@ -7,7 +7,7 @@ reads those forms (3-d ``[B,S,H*D]`` or, with ``skip_reshape``, 4-d ``[B,H,S,D]`
 kernel's result the way ComfyUI's attention functions return it. A call is read in full once per
 :func:`signature` (:func:`read_form`); the next call of that signature is bound to its
 :class:`CallForm` without being read again -- as many view operations as ComfyUI's own sage path
-makes (3 views in, 1 reshape out for the 3-d form; none for H3's 4-d views).
+makes (3 views in, 1 flatten out for the 3-d form; none for H3's 4-d views).
 """
 from __future__ import annotations
 
@@ -137,15 +137,13 @@ class Normalised:
 
     def finish(self, out: torch.Tensor, layout: str = "HND") -> torch.Tensor:
         """The result ``out`` (in ``layout``) shaped the way ComfyUI's attention functions return
-        it: [B,H,Sq,D] with skip_output_reshape, else [B,Sq,H*D] (from NHD one reshape, as
-        ComfyUI's sage path does)."""
+        it: [B,H,Sq,D] with skip_output_reshape, else [B,Sq,H*D] (from NHD one flatten: a view
+        of a contiguous result, as ComfyUI's sage path's reshape)."""
         if self.skip_output_reshape:
             return out if layout == "HND" else out.transpose(1, 2)
         if layout == "NHD":
-            b, s, h, d = out.shape
-            return out.reshape(b, s, h * d)
-        b, h, s, d = out.shape
-        return out.transpose(1, 2).reshape(b, s, h * d)
+            return out.flatten(2)              # a view of a contiguous result, as reshape
+        return out.transpose(1, 2).flatten(2)
 
     @staticmethod
     def to_hnd(out: torch.Tensor, layout: str) -> torch.Tensor:

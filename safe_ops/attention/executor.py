@@ -51,9 +51,12 @@ class Executor:
         kern = self.kernels[plan.kernel]
         on_cuda = n.q4.is_cuda
         hop = legacy_hop(n.q4.device) if on_cuda and kern.envelope.launches_on_legacy_stream else None
-        one = one_launch(plan)
+        one = not (plan.head_group or plan.q_chunk or plan.kv_chunk)      # one_launch(plan)
         if hop is None:
-            out = self._launch_one(plan, kern, n) if one else self._launch_split(plan, kern, n)
+            if one and not plan.repack and plan.layout == n.layout:       # the caller's own views
+                out = kern.fn(n.q4, n.k4, n.v4, plan.layout, n.scale)
+            else:
+                out = self._launch_one(plan, kern, n) if one else self._launch_split(plan, kern, n)
         else:
             run_stats.count("stream_hops")
             out = run_hopped(hop, lambda: self._launch_all(plan, kern, n))

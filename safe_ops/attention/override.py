@@ -43,6 +43,10 @@ from ..quality.guard import QualityGuard
 
 log = logging.getLogger("SafeSage")
 
+#: what SafeAttention._call returns for a call it hands on unread (previous None): __call__ runs
+#: what ComfyUI runs for it outside the containment handler (ComfyUI's errors pass untouched)
+HAND_ON = object()
+
 
 class SafeAttention(PlanChoice, ContextCalls):
     """Callable installed as ``transformer_options["optimized_attention_override"]``.
@@ -114,13 +118,17 @@ class SafeAttention(PlanChoice, ContextCalls):
     @contain.boundary
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
         # torch.compile, CUDA-graph capture, inside another SafeSage: special_calls.py
-        func = unwrap_attn(func)
+        if getattr(func, "__wrapped__", None) is not None:
+            func = unwrap_attn(func)
         if torch_is_compiling():        # traced by dynamo: nothing else first (special_calls.py)
             return self._compiled_call(func, args, kwargs)
         try:                            # the containment boundary (contain.py)
             if INSIDE_KW in kwargs or INSIDE.get():     # inside another SafeSage
                 return self._special_call(func, args, kwargs)
-            return self._call(func, args, kwargs)   # CUDA-graph capture: asked there
+            out = self._call(func, args, kwargs)    # CUDA-graph capture: asked there
+            if out is not HAND_ON:
+                return out
+            run = self._what_comfy_runs(self._layer_function(kwargs, func) if self.layer_functions else func)
         except Exception as e:          # noqa: BLE001 - SafeSage's own error: see _contained
             run = self._contained(e, func, kwargs)
         return run(*args, **kwargs)     # outside the handler: ComfyUI's errors are not chained to ours
@@ -144,7 +152,7 @@ class SafeAttention(PlanChoice, ContextCalls):
                 run_stats.fallback(self._mask_reason)
             if self._quality_on:
                 self.quality.count_call(kwargs.get("transformer_options"))
-            return contain.run_comfy(self._what_comfy_runs(func), *args, **kwargs)
+            return HAND_ON
         key = signature(func, a, kwargs)
         if key is None:
             return self._first_call(func, args, kwargs, a, None)
@@ -167,7 +175,7 @@ class SafeAttention(PlanChoice, ContextCalls):
                 run_stats.fallback(p.fallback_reason, p.shape_key)
             if self._quality_on:
                 self.quality.count_call(kwargs.get("transformer_options"))
-            return contain.run_comfy(self._what_comfy_runs(func), *args, **kwargs)
+            return HAND_ON
         n = p.form.bind(a, kwargs)
         n.prepared = p
         if self._quality_on:

@@ -91,7 +91,7 @@ class QualityGuard:
     # ---------------------------------------------------------------- the run
     def state(self) -> RunState | None:
         """The calling thread's run, when a forward of it has started (hot path: one dict read)."""
-        return self._runs.get(compiler.run_id())
+        return self._runs.get(compiler.run_id()) if self._runs else None
 
     def forward_start(self, transformer_options: dict | None) -> None:
         """A diffusion-model forward begins (eager, the DIFFUSION_MODEL wrapper): which step it is,
@@ -196,7 +196,7 @@ class QualityGuard:
     def count_call(self, transformer_options) -> None:
         """A call of this forward that no guarded kernel takes, passed on without being read: it
         still counts in the n-th-call numbering of blocks (:meth:`block_of`)."""
-        st = self._runs.get(compiler.run_id())
+        st = self._runs.get(compiler.run_id()) if self._runs else None
         if st is not None:
             self.block_of(st, transformer_options)
 

@@ -156,8 +156,9 @@ def fallback(reason: str, key: Any = None, level: int = logging.WARNING) -> None
     (reason, key)."""
     count("fallbacks")
     count((_REASON, reason))
-    once(("fallback", reason, key), level, "SafeSage fallback: %s%s", reason,
-         f" (call {key})" if key is not None else "")
+    said = ("fallback", reason, key)
+    if said not in _logged:         # the message is made only when it is said
+        once(said, level, "SafeSage fallback: %s%s", reason, f" (call {key})" if key is not None else "")
 
 
 def once(key: Any, level: int, msg: str, *args: Any) -> bool:

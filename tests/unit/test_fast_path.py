@@ -106,10 +106,10 @@ def test_what_the_plan_depends_on_makes_a_new_signature(reads, change):
         assert len(att._prepared) == 2
 
 
-def test_the_3d_form_makes_comfys_own_views_and_one_reshape():
-    """A repeated 3-d call: three views to NHD and one reshape back -- what ComfyUI's own sage
-    path makes -- and the result is the kernel's own output seen [B,S,H*D] (no copy). The old
-    path made 3 unflatten + 3 transpose in, 3 transposes to the kernel and 2 out."""
+def test_the_3d_form_makes_comfys_own_views_and_one_flatten():
+    """A repeated 3-d call: three views to NHD and one flatten back (a view, as ComfyUI's own sage
+    path's reshape) -- and the result is the kernel's own output seen [B,S,H*D] (no copy). The
+    old path made 3 unflatten + 3 transpose in, 3 transposes to the kernel and 2 out."""
     att, out = null_attn()
     q = torch.randn(1, 10, 64)
     att(ComfyFunc(), q, q, q, 4)
@@ -119,7 +119,7 @@ def test_the_3d_form_makes_comfys_own_views_and_one_reshape():
         res = att(comfy, q, q, q, 4)
     tensor_ops = [n for n in ops.names if n in ("view", "reshape", "transpose", "unflatten", "contiguous",
                                                 "permute", "flatten", "__get__")]
-    assert sorted(n for n in tensor_ops if n != "__get__") == ["reshape", "view", "view", "view"], ops.names
+    assert sorted(n for n in tensor_ops if n != "__get__") == ["flatten", "view", "view", "view"], ops.names
     assert res.shape == (1, 10, 64) and res.data_ptr() == out["t"].data_ptr(), "a view of the kernel's output"
     assert out["t"].shape == (1, 10, 4, 16), "the kernel got NHD"
 

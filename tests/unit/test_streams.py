@@ -152,8 +152,8 @@ def fake_executor(fake, legacy=True, raises=None):
     ex = Executor({"fam": Kernel(env, lambda *a: None, 0.05)})
     ex._launch_all = ex._launch_one = lambda plan, kern, n: fake.launch(raises)
     q = SimpleNamespace(device=torch.device("cuda", 0), shape=(1, 2, 8, 16), is_cuda=True)
-    plan = SimpleNamespace(kernel="fam", layout="HND", head_group=0, q_chunk=0, kv_chunk=0)
-    return ex, plan, SimpleNamespace(q4=q, q=q, k=q, v=q)
+    plan = SimpleNamespace(kernel="fam", layout="HND", head_group=0, q_chunk=0, kv_chunk=0, repack=())
+    return ex, plan, SimpleNamespace(q4=q, q=q, k=q, v=q, layout="NHD")   # a plan in another layout than the caller's
 
 
 HOPPED = [("record", "caller", 0), ("wait", "legacy", 0),          # enter: legacy after the caller's work
