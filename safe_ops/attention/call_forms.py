@@ -173,18 +173,23 @@ def call_arguments(args: tuple, kwargs: dict) -> tuple:
 ALIGN_MASK = ALIGN_CAP - 1      # a base pointer's low bits: its alignment as an envelope sees it
 
 
-def signature(func: Any, a: tuple, kwargs: dict) -> tuple | None:
+def signature(func: Any, a: tuple, kwargs: dict, alignment: bool = True) -> tuple | None:
     """A plain call's raw signature (``a``: :func:`call_arguments`): everything :func:`read_form`
     and a plan depend on -- ``func``, heads, the form's flags, whether a mask is given, shapes,
-    strides, dtypes, devices and base-pointer alignment of q/k/v -- or None for a call of another
-    kind (q/k/v not plain tensors, heads not an int, a mask that is not a tensor), which is read
-    in full each time. The attention override's plans are cached under it, so a repeated call is
-    not read again (:meth:`CallForm.bind`)."""
+    strides, dtypes, devices and, with ``alignment`` (some family's rule reads it: comfy-kitchen's
+    AlignRule), base-pointer alignment of q/k/v -- or None for a call of another kind (q/k/v not
+    plain tensors, heads not an int, a mask that is not a tensor), which is read in full each
+    time. The attention override's plans are cached under it, so a repeated call is not read
+    again (:meth:`CallForm.bind`)."""
     q, k, v, heads, mask = a[0], a[1], a[2], a[3], a[4]
     T = torch.Tensor
     if type(q) is not T or type(k) is not T or type(v) is not T or type(heads) is not int or (
             mask is not None and not isinstance(mask, T)):
         return None
+    if not alignment:
+        return (id(func), heads, mask is None, a[6], a[7], kwargs.get("low_precision_attention", True) is not False,
+                q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+                q.device, k.device, v.device)
     return (id(func), heads, mask is None, a[6], a[7], kwargs.get("low_precision_attention", True) is not False,
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
             q.device, k.device, v.device,

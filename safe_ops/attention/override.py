@@ -97,6 +97,10 @@ class SafeAttention(PlanChoice, ContextCalls):
         self._masks_guarded = any(k.envelope.supports_mask for k in guarded)
         self._mask_reason = ("attention mask: no guarded kernel takes one ("
                              + ", ".join(k.family for k in guarded) + ")")
+        # the signature holds base-pointer alignment when a plan may depend on it: a family's extra
+        # rule reads it (comfy-kitchen's AlignRule), here or on another GPU's guard (its own kernels)
+        self._key_alignment = any(k.envelope.extra_rules for k in guarded) or (
+            self._own_kernels and torch.cuda.is_available() and torch.cuda.device_count() > 1)
 
     @property
     def broken(self) -> dict[str, str]:
@@ -153,7 +157,7 @@ class SafeAttention(PlanChoice, ContextCalls):
             if self._quality_on:
                 self.quality.count_call(kwargs.get("transformer_options"))
             return HAND_ON
-        key = signature(func, a, kwargs)
+        key = signature(func, a, kwargs, self._key_alignment)
         if key is None:
             return self._first_call(func, args, kwargs, a, None)
         guard = self

@@ -144,7 +144,7 @@ class ContextCalls:
             n = read_form(a, kwargs).bind(a, kwargs)
         except UnsupportedCall:
             n = None
-        plan = self._captured_plan(n, func, signature(func, a, kwargs)) if n is not None else None
+        plan = self._captured_plan(n, func, signature(func, a, kwargs, self._key_alignment)) if n is not None else None
         if plan is not None:
             try:
                 out = self.executor.run_captured(plan, n)

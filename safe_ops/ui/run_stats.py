@@ -154,8 +154,13 @@ def failed_check(call_class: str, why: str) -> None:
 def fallback(reason: str, key: Any = None, level: int = logging.WARNING) -> None:
     """Count a fallback and its reason (the calling thread's own counts); log it once per
     (reason, key)."""
-    count("fallbacks")
-    count((_REASON, reason))
+    c = counts()
+    c["fallbacks"] = c.get("fallbacks", 0) + 1
+    rk = (_REASON, reason)
+    if rk in c or len(c) < MAX_THREAD_KEYS:
+        c[rk] = c.get(rk, 0) + 1
+    else:
+        count(rk)
     said = ("fallback", reason, key)
     if said not in _logged:         # the message is made only when it is said
         once(said, level, "SafeSage fallback: %s%s", reason, f" (call {key})" if key is not None else "")

@@ -3,11 +3,14 @@ plan is found in one lookup, and the kernel gets the caller's own layout -- as m
 operations as ComfyUI's own sage path makes, no NHD -> HND -> NHD round trip. Anything the plan
 depends on (strides, base alignment, dtype, heads, the form's flags, ComfyUI's function) makes a
 new signature. Calls no guarded kernel takes go to ComfyUI's function without being read. CPU."""
+import dataclasses
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 from safe_ops.attention import call_forms, override
+from safe_ops.families.ck_int8 import AlignRule
 from safe_ops.families.family import Kernel
 from safe_ops.policy import Policy
 from safe_ops.ui import run_stats
@@ -74,7 +77,8 @@ def test_a_repeated_signature_is_read_once_and_runs_its_plan(reads):
 @pytest.mark.parametrize("change", ["strides", "alignment", "dtype", "heads", "skip_output_reshape", "func",
                                     "low_precision"])
 def test_what_the_plan_depends_on_makes_a_new_signature(reads, change):
-    att, kern = make_attn()
+    # a family whose rule reads base pointers (comfy-kitchen's AlignRule): alignment is in the key
+    att, kern = make_attn(dataclasses.replace(toy_envelope(), extra_rules=(AlignRule("toy_sage"),)))
     comfy = ComfyFunc()
     q, k, v = h3_like(64)
     kw = {"skip_reshape": True, "skip_output_reshape": True}
@@ -104,6 +108,18 @@ def test_what_the_plan_depends_on_makes_a_new_signature(reads, change):
         assert len(kern.launches) == 1 and len(comfy.calls) == 1
     else:
         assert len(att._prepared) == 2
+
+
+def test_base_alignment_is_in_the_signature_only_where_a_rule_reads_it(reads):
+    """Without a family that checks base pointers, the same views one element further into their
+    buffer are the same signature (nothing planned depends on it): no read, one plan."""
+    att, kern = make_attn()
+    buf = torch.randn(64 * 3 * 64 + 1)
+    views = [[t.view(64, 4, 16).transpose(0, 1).unsqueeze(0) for t in b.view(64, 3 * 64).split(64, dim=-1)]
+             for b in (buf[:-1], buf[1:])]
+    for q, k, v in views:
+        att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    assert len(reads) == 1 and len(att._prepared) == 1 and len(kern.launches) == 2
 
 
 def test_the_3d_form_makes_comfys_own_views_and_one_flatten():
