@@ -220,7 +220,7 @@ def test_an_override_with_an_empty_closure_cell_is_read():
 
 
 def test_the_chained_overrides_limits_are_checked_once_per_call_signature(comfy_attention, monkeypatch):
-    import safe_ops.attention.override as A
+    import safe_ops.attention.handoff as A
     env = toy_envelope(family="toy_sage_checked")
     monkeypatch.setitem(FAMILIES, env.family, env)
     rt = CPU_RT.__class__(**{**CPU_RT.__dict__, "sage_family": env.family})

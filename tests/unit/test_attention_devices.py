@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from safe_ops.attention import override as attention
+from safe_ops.attention import handoff, override as attention
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention
 from safe_ops.families.sage1 import SAGE1_TRITON
@@ -62,7 +62,7 @@ def test_the_chained_override_is_judged_with_the_calls_gpu(two_gpus, monkeypatch
     """An unguarded sage override chained before SafeSage is judged against the limits of the sage
     family of the GPU the call runs on."""
     seen = []
-    monkeypatch.setattr(attention, "FAMILIES", type("F", (), {"get": staticmethod(lambda f: seen.append(f))})())
+    monkeypatch.setattr(handoff, "FAMILIES", type("F", (), {"get": staticmethod(lambda f: seen.append(f))})())
     prev = lambda func, *a, **k: None                                  # noqa: E731
     prev.__name__ = "attention_sage"
     att = SafeAttention(Policy(kernel="sage", verify="off"), previous=prev)
