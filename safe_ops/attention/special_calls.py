@@ -1,6 +1,7 @@
 """Attention calls in a special context: under torch.compile, during CUDA-graph capture, and
 inside another SafeSage (a mixin of attention.SafeAttention). ``SafeAttention.__call__`` asks
-:func:`compiling` before anything else, then whether it runs inside another SafeSage; capture is
+``torch.compiler.is_compiling()`` before anything else, then whether it runs inside another
+SafeSage; capture is
 asked before any plan of a call is used or made -- for a repeated signature only when it is a
 CUDA call (a CPU call is never captured), for a new one always.
 

@@ -196,7 +196,7 @@ class QualityGuard:
     def count_call(self, transformer_options) -> None:
         """A call of this forward that no guarded kernel takes, passed on without being read: it
         still counts in the n-th-call numbering of blocks (:meth:`block_of`)."""
-        st = self._runs.get(compiler.run_id()) if self._runs else None
+        st = self.state()
         if st is not None:
             self.block_of(st, transformer_options)
 
