@@ -95,6 +95,7 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         self._quality_on = self.quality.active and self._may_guard   # the guard may change a call's plan
         guarded = [k for f, k in self.kernels.items() if f != "sdpa"]
         self._masks_guarded = any(k.envelope.supports_mask for k in guarded)
+        self._unread_said: set = set()               # kinds of calls handed on unread, named in the plans
         self._mask_reason = ("attention mask: no guarded kernel takes one ("
                              + ", ".join(k.family for k in guarded) + ")")
         # the signature holds base-pointer alignment when a plan may depend on it: a family's extra
@@ -152,8 +153,15 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
             c = run_stats.counts()
             c["attention_calls"] = c.get("attention_calls", 0) + 1
             c["plan:sdpa"] = c.get("plan:sdpa", 0) + 1
-            if a[4] is not None and self._may_guard:
+            if not self._may_guard:
+                kind = "every call"
+            elif a[4] is not None:
+                kind = "masked calls"
                 run_stats.fallback(self._mask_reason)
+            else:
+                kind = "full-precision calls"
+            if kind not in self._unread_said:
+                self._name_unread(kind)
             if self._quality_on:
                 self.quality.count_call(kwargs.get("transformer_options"))
             return HAND_ON
@@ -187,7 +195,14 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         out = guard.attend_prepared(p, n, func)
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
-        return n.finish(*out)
+        return out
+
+    def _name_unread(self, kind: str) -> None:
+        """Calls of ``kind`` are handed on unread: the statistics' plans say so, once."""
+        self._unread_said.add(kind)
+        why = {"every call": "no guarded kernel here", "masked calls": self._mask_reason,
+               "full-precision calls": "the model asked for full precision"}[kind]
+        run_stats.remember_plan(kind, f"sdpa: ComfyUI's own attention, the call not read ({why})")
 
     def _first_call(self, func: Callable, args: tuple, kwargs: dict, a: tuple, key: tuple | None) -> Any:
         """A call read in full: a new signature (its plan is prepared and kept under ``key``), or
@@ -205,14 +220,14 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         out = self.attend(n, func, key)     # an error of SafeSage's own here: the boundary (__call__)
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
-        return n.finish(*out)
+        return out
 
     def attend(self, n: Normalised, func: Callable | None = None,
-               key: tuple | None = None) -> tuple[torch.Tensor, str] | None:
+               key: tuple | None = None) -> torch.Tensor | None:
         """Plan (cached per call signature: ``key``, the call's raw signature, else the normalised
-        one), run a guarded kernel, verify the first call of each class. Returns the result and
-        its layout (Executor.run); None: no guarded kernel takes this call (the caller runs
-        ComfyUI's own)."""
+        one), run a guarded kernel, verify the first call of each class. Returns the result in
+        the caller's form (Normalised.finish); None: no guarded kernel takes this call (the caller
+        runs ComfyUI's own)."""
         q = n.q4
         if n.q.shape[2] == 0:
             run_stats.count("attention_calls")
@@ -235,7 +250,7 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         n.prepared = p
         return self.attend_prepared(p, n, func)
 
-    def attend_prepared(self, p: Prepared, n: Normalised, func: Callable | None) -> tuple[torch.Tensor, str] | None:
+    def attend_prepared(self, p: Prepared, n: Normalised, func: Callable | None) -> torch.Tensor | None:
         """:meth:`attend` for a call whose signature's plan ``p`` is known (this GPU's). Counts the
         call and its plan (this thread's own counts: no lock)."""
         c = run_stats.counts()
@@ -277,7 +292,7 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
                 p.checked.add(plan.kernel)     # its class has a verdict: not asked again for this signature
         if st is not None and out is not None and st.mode in (quality_guard.PROBE, quality_guard.REPORT):
             self.quality.measure(self, st, n.block, p.klass, n, func, plan, n.to_hnd(out, layout))
-        return None if out is None else (out, layout)
+        return None if out is None else n.finish(out, layout)
 
     def _quality_context(self, n: Normalised, kwargs: dict) -> None:
         """The quality guard's run and the call's block (quality/guard.py), when a forward of this
@@ -292,6 +307,8 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
                            "not run for this model, e.g. another attention override was put after SafeSage): "
                            "attention calls run as planned, with the fault checks only")
             return
+        if st.mode is quality_guard.PLANNED:
+            return                      # this forward runs the plans as they are: no call's block is used
         n.run = st
         n.block = self.quality.block_of(st, kwargs.get("transformer_options"))
 

@@ -85,13 +85,15 @@ class QualityGuard:
         self.active = self.measuring or self.exact_steps > 0
         self._runs: dict[int, RunState] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()     # .st: the calling thread's run once a forward of it started
         if self.active:
             _GUARDS.add(self)
 
     # ---------------------------------------------------------------- the run
     def state(self) -> RunState | None:
-        """The calling thread's run, when a forward of it has started (hot path: one dict read)."""
-        return self._runs.get(compiler.run_id()) if self._runs else None
+        """The calling thread's run, when a forward of it has started (hot path: one thread-local
+        read; set by :meth:`forward_start`, cleared by :meth:`run_end`)."""
+        return getattr(self._local, "st", None)
 
     def forward_start(self, transformer_options: dict | None) -> None:
         """A diffusion-model forward begins (eager, the DIFFUSION_MODEL wrapper): which step it is,
@@ -103,6 +105,7 @@ class QualityGuard:
             with self._lock:
                 self._runs[rid] = st
                 run_stats.trim(self._runs, RUNS_KEPT)
+        self._local.st = st
         st.ordinal = 0
         to = transformer_options or {}
         sigma, sched = to.get("sigmas"), to.get("sample_sigmas") if st.schedule is None else None
@@ -147,6 +150,7 @@ class QualityGuard:
         """The sampling run ended: read what is pending (one host read), then forget the run."""
         rid = compiler.run_id()
         st = self._runs.get(rid)
+        self._local.st = None
         if st is None:
             return
         try:
@@ -197,12 +201,13 @@ class QualityGuard:
         """A call of this forward that no guarded kernel takes, passed on without being read: it
         still counts in the n-th-call numbering of blocks (:meth:`block_of`)."""
         st = self.state()
-        if st is not None:
+        if st is not None and st.mode is not PLANNED:
             self.block_of(st, transformer_options)
 
     def block_of(self, st: RunState, transformer_options) -> int:
         """The block a call belongs to: ComfyUI's ``block_index`` (SafeSage fills it in for H3,
-        blocks.py), else the n-th attention call of this forward."""
+        blocks.py), else the n-th attention call of this forward (counted in a forward whose mode
+        uses blocks: not in a PLANNED one, where every call runs its plan as it is)."""
         bi = transformer_options.get("block_index") if isinstance(transformer_options, dict) else None
         o = st.ordinal
         st.ordinal = o + 1

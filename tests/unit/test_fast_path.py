@@ -203,3 +203,16 @@ def test_an_unreadable_call_with_a_guarded_kernel_is_a_counted_fallback():
     snap = run_stats.snapshot()
     assert snap["fallbacks"] == 1 and any("unsupported call" in r for r in snap["fallback_reasons"])
     assert not kern.launches and len(comfy.calls) == 1
+
+
+def test_calls_handed_on_unread_are_named_once_in_the_plans():
+    """The statistics' plans say what happened to calls that were not read (the node's stats panel)."""
+    att, kern = make_attn(policy=Policy(kernel="sdpa", verify="off"))
+    q, k, v = h3_like(20)
+    for _ in range(3):
+        att(ComfyFunc(), q, k, v, 4, skip_reshape=True, skip_output_reshape=True)
+    plans = run_stats.snapshot()["plans"]
+    assert list(plans) == ["every call"] and "not read" in plans["every call"]
+    guarded, _ = make_attn()
+    guarded(ComfyFunc(), q, k, v, 4, mask=torch.zeros(20, 20), skip_reshape=True, skip_output_reshape=True)
+    assert "mask" in run_stats.snapshot()["plans"]["masked calls"]

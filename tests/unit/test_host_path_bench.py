@@ -7,7 +7,8 @@ from safe_ops.ui import run_stats
 def test_measure_reports_each_form_and_the_headlines():
     run_stats.reset()
     m = host_path.measure("cpu", calls=20, rounds=1)
-    assert set(m["rows"]) == {"faults only:3d", "faults only:4d_hnd_views", "balanced:3d", "balanced:4d_hnd_views"}
+    assert set(m["rows"]) == {f"{q}:{f}" for q in ("faults only", "balanced", "balanced, blocks moved")
+                              for f in ("3d", "4d_hnd_views")}
     row = m["rows"]["balanced:3d"]
     assert m["host_us_per_guarded_call"] == max(r["host_us_per_guarded_call"] for r in m["rows"].values())
     assert abs(row["host_us_per_guarded_call"] - (row["guarded_us"] - row["kernel_alone_us"])) <= 0.011
