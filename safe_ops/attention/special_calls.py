@@ -3,7 +3,10 @@ inside another SafeSage (a mixin of attention.SafeAttention). ``SafeAttention.__
 ``torch.compiler.is_compiling()`` before anything else, then whether it runs inside another
 SafeSage; capture is
 asked before any plan of a call is used or made -- for a repeated signature only when it is a
-CUDA call (a CPU call is never captured), for a new one always.
+CUDA call (a CPU call is never captured), for a new one always. Before that the override has only
+read the call's metadata and looked its signature up (host-side, no sync, nothing enqueued). A call
+handed on unread (override.HAND_ON: no guarded kernel takes it whatever it is) is not asked: it runs
+ComfyUI's function in either case, counted on the host.
 
 * **torch.compile** (``torch.compiler.is_compiling()``, asked before anything else): nothing here
   touches a ContextVar, a lock, a cache or a counter. A call no guarded kernel can take (policy
