@@ -42,7 +42,7 @@ class Prepared:
     tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
     run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
     previous_viol: list | None = None  # the chained override's kernel's violations by this call
-    klass: tuple = ()                 # the class of call the quality guard keys its choices by
+    klass: str = ""                  # the class of call the quality guard keys its choices by
     by_family: dict = field(default_factory=dict)  # quality guard: (family, budget or run) -> plan
     func: Any = None                  # ComfyUI's function the signature was planned for (its id is in the key)
     form: Any = None                  # call_forms.CallForm: how the next call of the signature is read
@@ -163,8 +163,9 @@ class PlanChoice:
         run_stats.remember_plan(key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
         envelopes = envelopes if envelopes and envelopes[0].family != "sdpa" else []
-        klass = (self.rt.arch_name,) + class_key("", "", call.dtype, call.head_dim, call.layout, call.heads,
-                                                 call.kv_heads, call.q_len, call.kv_len)[2:]
+        # one string (its hash is kept): the guard looks (block, class) up on every call of a run with moved blocks
+        klass = "|".join(str(x) for x in (self.rt.arch_name,) + class_key(
+            "", "", call.dtype, call.head_dim, call.layout, call.heads, call.kv_heads, call.q_len, call.kv_len)[2:])
         # SDPA now, and with no limit on memory too: no budget makes a guarded kernel take it
         never = plan.kind == "sdpa" and (budget is None or not envelopes
                                          or choose(call, envelopes, None, tflops).kind == "sdpa")

@@ -52,7 +52,7 @@ _GUARDS: "weakref.WeakSet[QualityGuard]" = weakref.WeakSet()
 @dataclass
 class _Pending:
     block: int
-    klass: tuple
+    klass: str
     family: str
     error: torch.Tensor | None
     candidates: dict                 # family -> 0-d tensor or None
@@ -213,7 +213,7 @@ class QualityGuard:
         st.ordinal = o + 1
         return bi if type(bi) is int else o
 
-    def measure(self, att, st: RunState, block: int, klass: tuple, n, func, plan, out: torch.Tensor) -> None:
+    def measure(self, att, st: RunState, block: int, klass: str, n, func, plan, out: torch.Tensor) -> None:
         """Step 1 (or the report step): the block's error on sampled rows, and at step 1 the
         candidates' errors on the same rows. Pending on the device until the step ends; an
         out-of-memory makes this block's verdict inconclusive (it keeps its plan)."""

@@ -38,7 +38,7 @@ COMFY = "sdpa"          # ComfyUI's own attention (the family name SafeSage give
 class BlockErrors:
     """What step 1 measured on one (block, class of call)."""
     block: int
-    klass: tuple                       # the class of call (without the family)
+    klass: str                       # the class of call (without the family)
     planned: str                       # the family the plan ran
     error: float | None                # its error on the sampled rows (None: inconclusive)
     candidates: dict = field(default_factory=dict)   # family -> error on the same rows (None: could not run)
@@ -47,7 +47,7 @@ class BlockErrors:
 @dataclass
 class Choice:
     block: int
-    klass: tuple
+    klass: str
     family: str                        # what runs from step 2 on
     error: float | None                # its measured error
     planned: str
