@@ -127,10 +127,16 @@ def measure(device: str = "cpu", calls: int = 2000, rounds: int = 7) -> dict:
         hop = {"hopped_us": round(h, 2), "kernel_alone_us": round(kernel_alone, 2),
                "host_us_per_hop_call": round(h - kernel_alone, 2),
                "stream_hops_counted": run_stats.value("stream_hops")}
+    from safe_ops.ui import run_stats
+    snap = run_stats.snapshot()
+    # what ran: the guarded rows' calls are counted as plans, the masked ones as fallbacks (a guarded row
+    # whose calls fell back would be timing ComfyUI's function, not SafeSage's path)
+    ran = {k: snap.get(k) for k in ("plan:direct", "fallbacks", "stream_hops")}
+    ran["fallback_reasons"] = snap.get("fallback_reasons")
     guarded_max = max(r["host_us_per_guarded_call"] for r in rows.values())
     passthrough_max = max(max(r["host_us_per_passthrough_call_sdpa_policy"], r["host_us_per_passthrough_call_masked"])
                           for r in rows.values())
-    return {"device": str(dev), "dtype": str(dt), "shape_bshd": [B, S, H, D], "rows": rows, "hop": hop,
+    return {"device": str(dev), "dtype": str(dt), "shape_bshd": [B, S, H, D], "rows": rows, "hop": hop, "ran": ran,
             "host_us_per_guarded_call": guarded_max, "host_us_per_passthrough_call": passthrough_max,
             "host_us_per_hop_call": None if hop is None else hop["host_us_per_hop_call"]}
 

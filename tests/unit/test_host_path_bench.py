@@ -15,4 +15,5 @@ def test_measure_reports_each_form_and_the_headlines():
     assert m["hop"] is None and m["host_us_per_hop_call"] is None, "the hop needs a GPU"
     snap = run_stats.snapshot()
     assert snap["plan:direct"] > 0 and snap["fallbacks"] > 0, "the guarded calls ran the null kernel, the masked ones not"
+    assert m["ran"]["plan:direct"] == snap["plan:direct"] and m["ran"]["fallbacks"] == snap["fallbacks"]
     run_stats.reset()
