@@ -19,6 +19,8 @@ ARMS = {
     "sage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": None},
     "safesage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {}},
     "safesage_sage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {"kernel": "sage"}},
+    # the quality guard off (fault checks only): SafeSage's own cost, apart from the blocks the guard moves
+    "safesage_faults": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {"quality": "faults only"}},
     "sage_blocking": {"flags": ["--use-sage-attention"], "env": {"CUDA_LAUNCH_BLOCKING": "1"}, "safesage": None},
     "sage_nodyn": {"flags": ["--use-sage-attention", "--disable-dynamic-vram"], "env": {}, "safesage": None},
     # the comparison cases with SafeSage inserted (each matched with its own unguarded arm)
@@ -28,13 +30,14 @@ ARMS = {
 }
 DEFAULT_ARMS = ["pytorch", "sage", "safesage", "safesage_sage", "sage_blocking", "sage_nodyn"]
 # guarded arm -> the same configuration without SafeSage
-UNGUARDED = {"safesage": "sage", "safesage_sage": "sage", "safesage_blocking": "sage_blocking",
+UNGUARDED = {"safesage": "sage", "safesage_sage": "sage", "safesage_faults": "sage", "safesage_blocking": "sage_blocking",
              "safesage_nodyn": "sage_nodyn", "safesage_pytorch": "pytorch"}
 ARM_LABEL = {
     "pytorch": "PyTorch attention + dynamic VRAM",
     "sage": "--use-sage-attention + dynamic VRAM (unguarded)",
     "safesage": "SafeSageAttention (node defaults) + dynamic VRAM",
     "safesage_sage": "SafeSageAttention kernel=sage + dynamic VRAM",
+    "safesage_faults": "SafeSageAttention quality='faults only' + dynamic VRAM",
     "sage_blocking": "--use-sage-attention + dynamic VRAM + CUDA_LAUNCH_BLOCKING=1",
     "sage_nodyn": "--use-sage-attention --disable-dynamic-vram",
     "safesage_blocking": "SafeSageAttention + CUDA_LAUNCH_BLOCKING=1",
