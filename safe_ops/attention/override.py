@@ -255,7 +255,7 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         call and its plan (this thread's own counts: no lock)."""
         c = run_stats.counts()
         c["attention_calls"] = c.get("attention_calls", 0) + 1
-        plan = p.plan if p.fixed else self._within_budget(p, n.q4.device)
+        plan = p.plan if p.fixed else self._within_budget(p)
         st = n.run
         if st is not None and st.mode in (quality_guard.CHOSEN, quality_guard.EXACT, quality_guard.REPORT):
             plan = self._quality_plan(p, plan, st, n)   # the report step runs the choices too
@@ -322,7 +322,7 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         if fam is None or fam == plan.kernel:
             return plan
         quality_guard.STATS.bump("moved_calls")
-        return self._family_plan(p, fam, n.q4.device) if fam != "sdpa" else None
+        return self._family_plan(p, fam, p.device) if fam != "sdpa" else None
 
     @staticmethod
     def _call_key(n: Normalised, func: Callable | None) -> tuple:

@@ -47,6 +47,7 @@ class Prepared:
     func: Any = None                  # ComfyUI's function the signature was planned for (its id is in the key)
     form: Any = None                  # call_forms.CallForm: how the next call of the signature is read
     cuda: bool = False                # a CUDA call (asked whether it is being captured)
+    device: Any = None                # the calls' device (part of the signature): read once, not per call
     fixed: bool = False               # the plan never moves with the budget (a fixed budget, none off CUDA, SDPA first)
     checked: set = field(default_factory=set)  # families whose class of this call has a verdict (not asked again)
     never_guarded: bool = False       # no guarded kernel takes this signature under any budget
@@ -91,16 +92,18 @@ class PlanChoice:
             return self.policy.max_extra_bytes
         return self._budget_reader(device)
 
-    def _within_budget(self, p: "Prepared", device: torch.device) -> Plan:
+    def _within_budget(self, p: "Prepared") -> Plan:
         """The plan for this signature under the budget *now*. A plan that still fits is kept;
         free memory crossing budget buckets re-plans only where no plan this signature already
         has fits (memory really shrank), or where a degraded plan (SDPA under pressure, smaller
         launches) meets twice the memory it was planned for (budget.plan_on_ladder's rule).
         A fixed budget (the policy's) never moves. Under ComfyUI's allocation compiler the plan
         chosen at a signature's first call of a sampling run is kept for the whole run (another
-        plan on a later step would allocate differently: a graph break)."""
+        plan on a later step would allocate differently: a graph break). The device is the
+        signature's (``p.device``: the call's, read once)."""
         if self.policy.max_extra_bytes is not None or not p.envelopes:
             return p.plan
+        device = p.device
         if compiler.enabled_now(device):
             run = compiler.run_id()          # the calling thread's run: another thread's keeps its plan
             plan = p.run.get(run)
@@ -171,7 +174,7 @@ class PlanChoice:
                                          or choose(call, envelopes, None, tflops).kind == "sdpa")
         return Prepared(plan, call, key, f"plan:{plan.kind}", envelopes,
                         {} if budget is None else {budget: plan}, {}, tflops, klass=klass, func=func,
-                        form=n.form, cuda=n.q4.is_cuda,
+                        form=n.form, cuda=n.q4.is_cuda, device=q.device,
                         fixed=budget is None or not envelopes or never,
                         never_guarded=never, fallback_reason="; ".join(plan.reasons))
 
