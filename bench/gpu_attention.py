@@ -289,6 +289,13 @@ def _peak_extra(fn) -> int:
 def bench(args) -> dict:
     from safe_ops.ui import run_stats
     rows = []
+    comfy_fn, sdpa_source = None, "torch.nn.functional.scaled_dot_product_attention (torch's default backend order)"
+    if args.comfy:
+        from bench.gpu_compile import comfy_attention
+        fn, where = comfy_attention(args.comfy, cpu=False)
+        if where.startswith("stand-in"):
+            raise SystemExit(f"--comfy {args.comfy}: {where}")
+        comfy_fn, sdpa_source = fn, f"attention_pytorch of {where} (skip_reshape, skip_output_reshape: as H3 calls it)"
     for S in [int(s) for s in args.sizes.split(",")]:
         torch.cuda.empty_cache()
         q, k, v = h3_qkv(S, "strided")
@@ -297,14 +304,20 @@ def bench(args) -> dict:
         att = guarded()
         g = lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
         kin = lambda: raw_sage(qc, kc, vc)  # noqa: E731
-        sd = lambda: sdpa(q, k, v)  # noqa: E731
+        # "sdpa" is what auto weighs a sage kernel against: ComfyUI's own attention as H3 calls it
+        # (with --comfy: attention_pytorch, its SDPA backend priority included), else torch's SDPA
+        sd = (lambda: comfy_fn(q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)) if comfy_fn else (
+            lambda: sdpa(q, k, v))
+        td = lambda: sdpa(q, k, v)  # noqa: E731 - torch's default backend order, for comparison
         reps = args.reps
         # interleave to cancel drift: g, kin, sdpa, g, kin, sdpa ...
-        tg, tk, ts = [], [], []
+        tg, tk, ts, tt = [], [], [], []
         for _ in range(2):
             tg.append(_time_ms(g, reps))
             tk.append(_time_ms(kin, reps))
             ts.append(_time_ms(sd, reps))
+            if comfy_fn:
+                tt.append(_time_ms(td, reps))
         flops = 4 * S * S * HEADS * D
         # the same plan with the repack copied into the other layout (checks the planner's pick)
         alt_ms = None
@@ -323,10 +336,12 @@ def bench(args) -> dict:
                 alt_ms = _time_ms(lambda: att.executor.run(alt, nn), reps)
         row = {"S": S, "plan": next(iter(run_stats.PLANS.values()), ""),
                "other_layout_repack_ms": alt_ms,
-               "guarded_ms": min(tg), "inlimit_kernel_ms": min(tk), "sdpa_ms": min(ts),
+               "guarded_ms": min(tg), "inlimit_kernel_ms": min(tk), "sdpa_ms": min(ts), "sdpa_source": sdpa_source,
+               "torch_sdpa_default_ms": min(tt) if tt else None,
                "guarded_over_inlimit": min(tg) / min(tk), "guarded_over_sdpa": min(tg) / min(ts),
                "tflops": {sage_kern().family: flops / min(tk) / 1e9, "sdpa": flops / min(ts) / 1e9,
-                          "guarded": flops / min(tg) / 1e9},
+                          "guarded": flops / min(tg) / 1e9,
+                          **({"torch_sdpa_default": flops / min(tt) / 1e9} if tt else {})},
                "extra_peak_bytes_guarded": _peak_extra(g), "extra_peak_bytes_inlimit_kernel": _peak_extra(kin),
                "extra_peak_bytes_sdpa": _peak_extra(sd)}
         rows.append(row)
@@ -350,6 +365,8 @@ def main() -> None:
     ap.add_argument("--layouts", default="strided,contiguous", help="stress: strided,strided_b2,contiguous")
     ap.add_argument("--dtype", default=None, help="bfloat16 (default) or float16")
     ap.add_argument("--family", default=None, help="sage kernel family (default: what sageattn runs here)")
+    ap.add_argument("--comfy", default=None, help="bench: a ComfyUI tree on PYTHONPATH; its attention_pytorch is "
+                    "the 'sdpa' row (what ComfyUI itself runs: its SDPA backend priority), torch's default beside it")
     args = ap.parse_args()
     global FAMILY, DTYPE
     if args.dtype:
