@@ -9,13 +9,14 @@ from __future__ import annotations
 import sys
 
 from ..facts.devices import Runtime
-from ..families.registry import family_kind, measured_tflops
+from ..families.registry import family_kind, speed_tflops
 
 
-def pricing_tflops(kernel_policy: str, arch_name: str) -> dict | None:
-    """The TFLOP/s that price plans against SDPA (``planner.choose``): only ``auto``, only on a
-    GPU the table measured. One rule for the attention override and Preflight's prediction."""
-    return (measured_tflops(arch_name) or None) if kernel_policy == "auto" else None
+def pricing_tflops(kernel_policy: str, arch_name: str, gpu_name: str | None) -> dict | None:
+    """The TFLOP/s that price plans against SDPA (``planner.choose``): only ``auto``, only on the
+    GPU model the table measured (registry.speed_tflops). One rule for the attention override and
+    Preflight's prediction."""
+    return (speed_tflops(arch_name, gpu_name) or None) if kernel_policy == "auto" else None
 
 
 # ------------------------------------------------------------------ auto's order
@@ -37,15 +38,17 @@ def comfy_attention_choice() -> str | None:
     return None
 
 
-def auto_order(arch_name: str, families: list[str], comfy_choice: str | None) -> tuple[list[str], str]:
+def auto_order(arch_name: str, families: list[str], comfy_choice: str | None,
+               gpu_name: str | None = None) -> tuple[list[str], str]:
     """``auto``'s preference over ``families`` (installed, non-SDPA) plus "sdpa", and why.
 
-    Measured GPU (kernel_table.json): fastest first by measured TFLOP/s; families with no
-    number follow. Unmeasured GPU: what ComfyUI was configured to run first, then SDPA; a
-    family ComfyUI was not configured for comes after SDPA (never used by ``auto``)."""
-    order = measured_order(arch_name, families + ["sdpa"])
+    Measured GPU (kernel_table.json, measured on this GPU model: registry.speed_tflops): fastest
+    first by measured TFLOP/s; families with no number follow. Unmeasured GPU -- another model of
+    a measured arch included: what ComfyUI was configured to run first, then SDPA; a family
+    ComfyUI was not configured for comes after SDPA (never used by ``auto``)."""
+    order = measured_order(arch_name, families + ["sdpa"], gpu_name)
     if order is not None:
-        tflops = measured_tflops(arch_name)
+        tflops = speed_tflops(arch_name, gpu_name)
         first = order[0]
         rest = ", ".join(f"{f} {tflops[f]:.0f}" for f in order[1:] if f in tflops)
         unmeasured = [f for f in order if f not in tflops]
@@ -89,14 +92,14 @@ def explain_auto(rt: Runtime, families: list[str], comfy_choice: str | None = No
                 f"(sageattention: {rt.sage_error}; comfy-kitchen: {rt.ck_error})")
     if comfy_choice is None:
         comfy_choice = comfy_attention_choice()
-    order, why = auto_order(rt.arch_name, families, comfy_choice)
+    order, why = auto_order(rt.arch_name, families, comfy_choice, rt.device_name)
     name = "ComfyUI's own attention (PyTorch SDPA)" if order[0] == "sdpa" else order[0]
     return f"auto picked {name} because {why}"
 
 
-def measured_order(arch_name: str, families: list[str]) -> list[str] | None:
-    """Families sorted fastest first by the measured table, or None if this arch is unmeasured."""
-    tflops = measured_tflops(arch_name)
+def measured_order(arch_name: str, families: list[str], gpu_name: str | None = None) -> list[str] | None:
+    """Families sorted fastest first by the measured table, or None if this GPU is unmeasured."""
+    tflops = speed_tflops(arch_name, gpu_name)
     if not tflops:
         return None
     known = [f for f in families if f in tflops]

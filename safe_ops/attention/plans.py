@@ -83,7 +83,7 @@ class PlanChoice:
             choice = unguarded_kind(func)
         else:
             choice = comfy_attention_choice()
-        return auto_order(self.rt.arch_name, sage, choice)[0]
+        return auto_order(self.rt.arch_name, sage, choice, self.rt.device_name)[0]
 
     def _budget(self, device: torch.device) -> int | None:
         """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit):
@@ -160,7 +160,7 @@ class PlanChoice:
         envelopes = [self.kernels[f].envelope for f in cand]
         budget = self._budget(q.device)
         # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
-        tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name)
+        tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name, self.rt.device_name)
         plan = choose(call, envelopes, budget, tflops)
         key = shape_key(call, n)
         run_stats.remember_plan(key, plan.describe())

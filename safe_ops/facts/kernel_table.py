@@ -4,6 +4,13 @@ Written by the GPU benches (``bench/tables.py --update-table``, ``bench/gpu_kvch
 only families whose output matched SDPA); read by ``auto`` (attention.kernel_choice) and by the
 registry's choice of the other sage-2 families to offer, through families.registry.measured_tflops
 (which knows the families measured under another family's entry).
+
+Two readings of one entry. *Verified on this arch* (the registry: which families may be offered)
+holds for every GPU of the arch. *Speed* (``auto``'s order, the plans' pricing) holds only on the
+GPU model the entry was measured on (:func:`measured_on`): on an H100 ComfyUI's own attention ran
+at 347-366 TFLOP/s where the H200's entry says 550 (bench/results/attention_comfy_sdpa_h100.json),
+so an H100 ordered by the H200's numbers ran SDPA, 16 % slower a step than the sage it was
+started with (bench/results/e2e_38k_50b_sage106_auto_sm90_h100.json).
 """
 from __future__ import annotations
 
@@ -36,3 +43,14 @@ def arch_tflops(arch_name: str, aliases: dict[str, str]) -> dict:
     return tflops
 
 
+
+
+def measured_on(arch_name: str, gpu_name: str | None) -> bool:
+    """Whether ``arch_name``'s entry speaks for the speed of ``gpu_name``: the GPU model it was
+    measured on (its ``gpu``, e.g. "NVIDIA H200"), or any GPU of the arch for an entry that names
+    none. False for an unknown GPU name where the entry names one."""
+    entry = kernel_table().get("archs", {}).get(arch_name)
+    if not entry:
+        return False
+    measured = entry.get("gpu")
+    return measured is None or measured == gpu_name

@@ -26,7 +26,7 @@ import types
 
 from . import (ck_int8, envelope, family as family_mod, rules, sage1, sage2_fp8pv_perwarp, sage2_sm80,
                sage2_sm86_triton, sage2_sm89_fp8pv, sage2_sm90, sage2_sm120_fp8pv, sdpa)
-from ..facts.kernel_table import arch_tflops
+from ..facts.kernel_table import arch_tflops, measured_on
 from .envelope import register
 from .family import Kernel, KernelFamily
 from .rules import KvLenRule
@@ -143,6 +143,13 @@ def measured_tflops(arch_name: str) -> dict:
     """kernel_table.json's TFLOP/s on ``arch_name``, every family measured under another's entry filled
     in (comfy-kitchen 0.2.29-0.2.35 and 0.2.36-0.2.40 time the same int8_attention); {} when unmeasured."""
     return arch_tflops(arch_name, table_aliases())
+
+
+def speed_tflops(arch_name: str, gpu_name: str | None) -> dict:
+    """:func:`measured_tflops` where the entry was measured on this GPU model
+    (kernel_table.measured_on), else {}: what ``auto`` orders kernels by and plans are priced with.
+    Another GPU of the same arch is unmeasured (its SDPA may run at another speed)."""
+    return measured_tflops(arch_name) if measured_on(arch_name, gpu_name) else {}
 
 
 def table_aliases() -> dict[str, str]:

@@ -61,6 +61,7 @@ class Scenario:
     budget_bytes: int | None        # attention plan budget (None: not limited)
     free_bytes: int | None = None
     note: str = ""
+    gpu: str | None = None          # this GPU's name (kernel_table.json's speed holds for its model only)
 
 
 @dataclass
@@ -91,12 +92,12 @@ def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
         label = f"this GPU: {rt.device_name} ({rt.arch_name})"
         budget = plan_budget_bytes(free_bytes)
         out = [Scenario(label, rt.arch, rt.sage_version, rt.sage_family, budget, free_bytes,
-                        "" if rt.sage_family else f"sageattention not usable: {rt.sage_error}")]
+                        "" if rt.sage_family else f"sageattention not usable: {rt.sage_error}", rt.device_name)]
         if rt.sage_family is None:     # say what installing sage 2.2 would mean here
             fam = sage_family_for("2.2.0", rt.arch)
             if fam:
                 out.append(Scenario(f"{label} with sageattention 2.2 installed", rt.arch, "2.2.0", fam,
-                                    budget, free_bytes))
+                                    budget, free_bytes, gpu=rt.device_name))
         return out
     out = []
     for arch, names in COMMON_GPUS:
@@ -137,10 +138,10 @@ def verdict(S: int, sc: Scenario, policy, comfy_wants_sage: bool = False, mlp_de
         v.violations = check(call, env)
         v.sage_plan = plan_for(call, env, sc.budget_bytes)
         v.safe_up_to = _safe_up_to(fam)
-    rt = Runtime("", None, sc.label, sc.arch, sc.sage_version, fam, None, None, None, None)
+    rt = Runtime("", None, sc.gpu, sc.arch, sc.sage_version, fam, None, None, None, None)
     order = v.order = _candidates(policy, rt, fam, comfy_wants_sage)
     v.choice = explain_auto(rt, [fam] if fam else [], "sage" if comfy_wants_sage else None, policy.kernel)
-    tflops = pricing_tflops(policy.kernel, arch_name(sc.arch))
+    tflops = pricing_tflops(policy.kernel, arch_name(sc.arch), sc.gpu)
     v.plan = choose(call, [FAMILIES[f] for f in order if f in FAMILIES], sc.budget_bytes, tflops)
     out_bytes = S * H3_HEADS * H3_HEAD_DIM * call.elt_bytes
     # the plan's own budgeted peak; where the kernel's temporaries are unknown (SDPA), its output
