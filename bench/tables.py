@@ -381,7 +381,9 @@ def render() -> str:
                   f"| {arch} | {e['gpu']} | " + " | ".join(f"{e['tflops'][k]:.0f}" for k in fams) + " |", "",
                   f"TFLOP/s, each family the median over the sizes its source measured (all together: {', '.join(f'{x:,}' for x in e['sizes'])} tokens). Sources: {e['source']}", ""]
     lines += ["So on an H200 `auto` prefers PyTorch SDPA over every kernel family measured there; the guard "
-              "still protects `kernel=sage`.", ""]
+              "still protects `kernel=sage`. An entry's speed holds for the GPU model it names only "
+              "(`kernel_table.measured_on`): another GPU of its arch, an H100 for sm_90, follows what ComfyUI was "
+              "started with.", ""]
     return "\n".join(lines)
 
 
