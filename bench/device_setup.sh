@@ -10,6 +10,18 @@
 #   .gpu/ComfyUI-0dd9b154.tgz   ../shared/comfyui's tarball (unpacks to c0dd/)
 #   .gpu/SageAttention-2.2.0-src.tgz  ../shared/sageattention's tarball (unpacks to sage22/)
 #   .gpu/sage22-*.tar.xz        a finished sage 2.2.0 build (from ss_pack_sage), if carried
+# Making them here (nothing in .whl/ or .gpu/ outlives a session's checkout), from the repo root:
+#   mkdir -p .whl .gpu && (cd .whl && python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any \
+#     --implementation cp --abi cp312 --abi none --abi abi3 comfy-aimdo==0.4.13 torchsde==0.2.6 trampoline==0.1.2 \
+#     sageattention==1.0.6 SQLAlchemy==2.0.44 greenlet blake3 pydantic==2.11.9 pydantic-core==2.33.2 annotated-types \
+#     typing-inspection simpleeval)          # the last eight: what a ComfyUI server (bench/repro) needs there
+#   comfy-kitchen X.Y.Z: pip download the same way into a temp dir, unzip, rm -rf comfy_kitchen/backends/hip,
+#     tar -cf - comfy_kitchen comfy_kitchen-*.dist-info | xz -T8 -6 > .gpu/ckXYZ.tar.xz   (0.2.26: 22 MB)
+#   cp ../shared/comfyui/ComfyUI-0dd9b154.tgz ../shared/sageattention/SageAttention-2.2.0-src.tgz .gpu/
+#   and carry ".whl" and ".gpu" (run's carry argument; 64 MiB in all).
+# A script that imports ComfyUI outside a server (bench/synth_h3.py, --comfy options) needs
+# PYTHONPATH=...:$SS_COMFY as well.
 # Functions:
 #   ss_base                 wheels -> /tmp/site (PYTHONPATH), ComfyUI -> /tmp/comfy/c0dd ($SS_COMFY)
 #   ss_kitchen 226|235|239|240 that comfy-kitchen into /tmp/ck<ver> and on PYTHONPATH (before /tmp/site)
