@@ -43,8 +43,6 @@ def arch_tflops(arch_name: str, aliases: dict[str, str]) -> dict:
     return tflops
 
 
-
-
 def measured_on(arch_name: str, gpu_name: str | None) -> bool:
     """Whether ``arch_name``'s entry speaks for the speed of ``gpu_name``: the GPU model it was
     measured on (its ``gpu``, e.g. "NVIDIA H200"), or any GPU of the arch for an entry that names
