@@ -30,8 +30,8 @@ ARMS = {
 }
 DEFAULT_ARMS = ["pytorch", "sage", "safesage", "safesage_sage", "sage_blocking", "sage_nodyn"]
 # guarded arm -> the same configuration without SafeSage
-UNGUARDED = {"safesage": "sage", "safesage_sage": "sage", "safesage_faults": "sage", "safesage_blocking": "sage_blocking",
-             "safesage_nodyn": "sage_nodyn", "safesage_pytorch": "pytorch"}
+UNGUARDED = {"safesage": "sage", "safesage_sage": "sage", "safesage_faults": "sage",
+             "safesage_blocking": "sage_blocking", "safesage_nodyn": "sage_nodyn", "safesage_pytorch": "pytorch"}
 ARM_LABEL = {
     "pytorch": "PyTorch attention + dynamic VRAM",
     "sage": "--use-sage-attention + dynamic VRAM (unguarded)",
