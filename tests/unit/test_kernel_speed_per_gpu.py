@@ -57,3 +57,7 @@ def test_preflight_predicts_with_this_gpus_name(h200_table):
     assert sc.gpu == H100
     v = preflight.verdict(38_000, sc, Policy(kernel="auto"), comfy_wants_sage=True)
     assert v.order[0] == "sage1_triton" and v.choice.startswith("auto picked sage1_triton")
+    # the measured GPU is predicted by its measurement: the scenario carries the name, not its label
+    sc = preflight.scenarios_for(runtime(H200), free_bytes=40 << 30)[0]
+    v = preflight.verdict(38_000, sc, Policy(kernel="auto"), comfy_wants_sage=True)
+    assert v.order[0] == "sdpa" and "measured fastest on sm_90" in v.choice
