@@ -4,6 +4,10 @@
 //    after it runs.
 //  - "SafeSage: show run statistics" (Extensions menu, and the node's right-click menu)
 //    fetches GET /safesage/stats and shows it on every SafeSage node.
+//  - At a sampling run's end the server sends "safesage.quality" (the quality guard's per-block
+//    outcome, safe_ops/quality/guard.py); its one-line summary ("last run: blocks 4-5 -> ...") is
+//    appended under the status on every SafeSage Attention node, replacing the previous such line
+//    only (the node itself does not run again while ComfyUI has its output cached).
 // Everything is defensive: a frontend without some API simply gets less, never an error.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -12,6 +16,7 @@ const NODE_TYPE = "SafeSageAttention";
 const TEXT_NODE_TYPES = [NODE_TYPE, "SafeSagePreflight"]; // nodes whose ui text is shown on them
 const STATUS = "safesage_status";
 const STATS_CMD = "SafeSage.ShowStats";
+const QUALITY_EVENT = "safesage.quality";
 
 function statusWidget(node) {
   let w = node.widgets?.find((x) => x.name === STATUS);
@@ -43,6 +48,34 @@ function showOnNode(node, text) {
   } catch (e) {
     console.warn("[SafeSage] could not show status on the node:", e, "\n" + text);
   }
+}
+
+function statusText(node) {
+  const w = statusWidget(node);
+  return (w.safesageElement ? w.safesageElement.value : w.value) ?? "";
+}
+
+// Append `line` under the node's status; a line this added before is replaced, nothing else.
+function showLastRun(node, line) {
+  try {
+    const lines = statusText(node).split("\n");
+    const i = node.safesageLastRun ? lines.lastIndexOf(node.safesageLastRun) : -1;
+    if (i >= 0) lines.splice(i, 1);
+    while (lines.length && lines[lines.length - 1] === "") lines.pop();
+    lines.push(line);
+    node.safesageLastRun = line;
+    showOnNode(node, lines.join("\n"));
+  } catch (e) {
+    console.warn("[SafeSage] could not show the quality outcome on the node:", e, "\n" + line);
+  }
+}
+
+function onQuality(event) {
+  const line = event?.detail?.summary;
+  if (typeof line !== "string" || !line) return;
+  const nodes = (app.graph?._nodes ?? app.graph?.nodes ?? []).filter((n) => n.type === NODE_TYPE);
+  nodes.forEach((n) => showLastRun(n, line));
+  console.info("[SafeSage] quality guard,", line);
 }
 
 function textOf(message) {
@@ -82,6 +115,11 @@ app.registerExtension({
   name: "SafeSage.Status",
   commands: [{ id: STATS_CMD, label: "SafeSage: show run statistics", function: showStats }],
   menuCommands: [{ path: ["Extensions", "SafeSage"], commands: [STATS_CMD] }],
+
+  setup() {
+    // an older frontend without custom websocket events simply shows no last-run line
+    if (typeof api?.addEventListener === "function") api.addEventListener(QUALITY_EVENT, onQuality);
+  },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!TEXT_NODE_TYPES.includes(nodeData?.name)) return;

@@ -277,9 +277,13 @@ class QualityGuard:
 
 def run_ended() -> None:
     """The calling thread's sampling run ended (patch.py's OUTER_SAMPLE wrapper, before the run id
-    moves on): every guard with state for it reads what is pending and forgets the run."""
-    for g in list(_GUARDS):
-        g.run_end()
+    moves on): every guard with state for it reads what is pending and forgets the run; then what
+    this run published goes to the frontend as one ``safesage.quality`` event (:func:`_send_outcome`)."""
+    try:
+        for g in list(_GUARDS):
+            g.run_end()
+    finally:
+        _send_outcome()
 
 
 def _r(x):
@@ -287,20 +291,44 @@ def _r(x):
 
 
 def _entry(c: targets.Choice) -> dict:
+    """One (block, class of call) of a run: what was planned and its error, the target, what runs
+    from step 2 on (``family``) and its error, whether it moved, why, the candidates' errors."""
     return {"block": c.block, "family": c.family, "error": _r(c.error), "planned": c.planned,
             "planned_error": _r(c.planned_error), "target": _r(c.target), "moved": c.moved, "why": c.why,
-            "candidates": {f: _r(e) for f, e in c.candidates.items()}}
+            "candidates": {f: _r(e) for f, e in c.candidates.items()}, "call_class": c.klass}
+
+
+_unsent = False          # published since the last event (under _LAST_LOCK)
 
 
 def _publish(kind: str, value: dict) -> None:
+    global _unsent
+    if kind == "choices":
+        from .outcome import summary
+        line = summary(value.get("blocks", []))
     with _LAST_LOCK:
         if kind == "choices":
             _LAST.pop("later", None)          # a later step's report belongs to the run it was measured in
+            _LAST["summary"] = line
         _LAST[kind] = value
+        _unsent = True
         run_stats.set_info("quality_last_run", dict(_LAST))
 
 
+def _send_outcome() -> None:
+    """One ``safesage.quality`` event with :func:`report` (per-block choices, the one-line
+    summary) when this run published something; nothing without a ComfyUI server (ui/events.py)."""
+    global _unsent
+    with _LAST_LOCK:
+        if not _unsent:
+            return
+        _unsent = False
+    from ..ui import events
+    events.send(events.QUALITY, report())
+
+
 def report() -> dict:
-    """The last run's per-block choices (and later-step report), as ``/safesage/stats`` shows them."""
+    """The last run's per-block choices, its one-line ``summary`` (and a later step's report), as
+    ``/safesage/stats`` (``quality_last_run``) and the ``safesage.quality`` event show them."""
     with _LAST_LOCK:
         return dict(_LAST)
