@@ -27,6 +27,7 @@ from .planner import Plan, choose
 from .verification import class_key
 
 RUNS_KEPT = 4      # per call signature: the plans of this many sampling runs (threads) at once
+_NONE = object()   # by_family: this family cannot run the signature (kept, so it is not asked per call)
 
 
 @dataclass
@@ -154,9 +155,7 @@ class PlanChoice:
         call = self._describe(n)
         cand = [f for f in self.candidates(func) if f in self.kernels] if n.low_precision_ok else ["sdpa"]
         # families that failed verification for this class of call are not candidates
-        broken = self.broken
-        cand = [f for f in cand if f == "sdpa" or not (f in broken or
-                                                       self.verifier.known_bad(self._class_key(f, call)))]
+        cand = [f for f in cand if self.usable(f, call)]
         envelopes = [self.kernels[f].envelope for f in cand]
         budget = self._budget(q.device)
         # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
@@ -196,26 +195,41 @@ class PlanChoice:
         """Bytes the quality guard's measurement may use on ``device`` (the plans' budget)."""
         return self._budget(device)
 
+    def usable(self, family: str, call: AttnCall) -> bool:
+        """Whether ``family`` may run ``call``'s class of call here: installed, not switched off for
+        this GPU arch and build (the kill switch, :attr:`broken`), and without a failed first-call
+        check for this class (the verifier's known-bad verdicts). ComfyUI's own is always usable.
+        The one rule for a planned family (:meth:`_prepare`), a block the quality guard moved
+        (:meth:`_family_plan`) and a candidate it measures (:meth:`run_family_rows`)."""
+        if family == "sdpa":
+            return True
+        return (family in self.kernels and family not in self.broken
+                and not self.verifier.known_bad(self._class_key(family, call)))
+
     def _family_plan(self, p: "Prepared", family: str, device: torch.device) -> Plan | None:
         """The plan of ``family`` alone for this signature (a block the quality guard moved), within
-        the budget; None when that family cannot run it (ComfyUI's own runs the call)."""
-        kern = self.kernels.get(family)
-        if kern is None:
-            return None
+        the budget; None when that family cannot run it -- outside its limits, switched off, or its
+        first-call check failed for this class of call (:meth:`usable`). Asked again after any such
+        failure: a failed check or a kill switch clears the prepared signatures (``_fall_back``),
+        so this signature's cached family plans go with them."""
         slot = compiler.run_id() if compiler.enabled_now(device) else self._budget(device)
         plan = p.by_family.get((family, slot))
         if plan is None:
-            plan = choose(p.call, [kern.envelope], self._budget(device), None)
+            kern = self.kernels.get(family)
+            if kern is None or not self.usable(family, p.call):
+                plan = _NONE
+            else:
+                plan = choose(p.call, [kern.envelope], self._budget(device), None)
             self._remember(p.by_family, (family, slot), plan, RUNS_KEPT)
-        return None if plan.kind == "sdpa" else plan
+        return None if plan is _NONE or plan.kind == "sdpa" else plan
 
     def run_family_rows(self, family: str, n: Normalised, q_rows: torch.Tensor):
         """``family`` on query rows ``q_rows`` [B,H,r,D] against all of the call's keys (the quality
         guard's candidate measurement); None when it cannot run them (outside its limits, or it
         raised: counted)."""
         kern = self.kernels.get(family)
-        if kern is None:
-            return None
+        if kern is None or not self.usable(family, n.prepared.call if n.prepared is not None else self._describe(n)):
+            return None                   # switched off, or failed its check on this class of call
         rows = n.with_queries(q_rows)
         call = self._describe(rows)
         plan = choose(call, [kern.envelope], self._budget(q_rows.device), None)

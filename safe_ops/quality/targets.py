@@ -55,6 +55,10 @@ class Choice:
     target: float | None
     why: str
     candidates: dict = field(default_factory=dict)   # what the other families measured on its rows
+    #: the other families under the target, in the move order: where ``family`` cannot run a call
+    #: (it failed its first-call check, or was switched off), the block runs the first of these that
+    #: can, else ComfyUI's own
+    alternatives: tuple = ()
 
     @property
     def moved(self) -> bool:
@@ -90,13 +94,13 @@ def decide(measured: list[BlockErrors], quality: str, order: list[str]) -> list[
                               f"{m.planned} {m.error:.3f} within target {target:.3f}"))
             continue
         over = f"{m.planned} {m.error:.3f} over target {target:.3f}"
-        for fam in order:
-            if fam == m.planned or fam == COMFY:
-                continue
-            e = m.candidates.get(fam)
-            if e is not None and math.isfinite(e) and e <= target:
-                out.append(Choice(m.block, m.klass, fam, e, m.planned, m.error, target, over))
-                break
+        under = [fam for fam in order if fam not in (m.planned, COMFY)
+                 and m.candidates.get(fam) is not None and math.isfinite(m.candidates[fam])
+                 and m.candidates[fam] <= target]
+        if under:
+            fam = under[0]
+            out.append(Choice(m.block, m.klass, fam, m.candidates[fam], m.planned, m.error, target, over,
+                              alternatives=tuple(under[1:])))
         else:
             tried = ", ".join(f"{f} {e:.3f}" if e is not None else f"{f} could not run"
                               for f, e in m.candidates.items())

@@ -28,25 +28,32 @@ def quantise(t: torch.Tensor, levels: int, dim: int) -> torch.Tensor:
     return (t / s).round() * s
 
 
+def make_family(kit, name, kind, levels, error=None):
+    """One fake family: q/k quantised to ``levels`` (0: exact) and, with ``error`` (a callable read on
+    every call: a relative size, or it raises), noise of that relative size added to the output. The
+    launch is counted (:data:`LAUNCHES`) before ``error`` is read."""
+    LAUNCHES.setdefault(name, 0)
+    env = kit.Envelope(family=name, source="tests/unit/fake_quality_families.py", head_dims=(16, 32, 64, 128),
+                       dtypes=("float32",), supports_mask=False, terms=(), devices=("cpu",),
+                       temp_bytes=lambda call: 4 * call.q.numel)
+
+    def fn(q, k, v, layout, scale):
+        LAUNCHES[name] += 1
+        rel = error() if error is not None else None
+        qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
+        if levels:
+            qh, kh = quantise(qh, levels, -1), quantise(kh, levels, -1)
+        o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=scale)
+        if rel is not None:
+            noise = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(o)
+            o = o + rel * o.norm() / noise.norm() * noise
+        return o if layout == "HND" else o.transpose(1, 2)
+
+    return kit.KernelFamily(env, kind=kind, tolerance=0.5, call=lambda: (fn, None),
+                            function=f"tests/unit/fake_quality_families.py {name}",
+                            detect=lambda rt: rt.arch is None)
+
+
 def kernel_families(kit):
-    def family(name, kind, levels):
-        env = kit.Envelope(family=name, source="tests/unit/fake_quality_families.py", head_dims=(16, 32, 64, 128),
-                           dtypes=("float32",), supports_mask=False, terms=(), devices=("cpu",),
-                           temp_bytes=lambda call: 4 * call.q.numel)
-
-        def fn(q, k, v, layout, scale):
-            LAUNCHES[name] += 1
-            qh, kh, vh = (t if layout == "HND" else t.transpose(1, 2) for t in (q, k, v))
-            if levels:
-                qh, kh = quantise(qh, levels, -1), quantise(kh, levels, -1)
-            o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, scale=scale)
-            if not levels:
-                noise = torch.randn(o.shape, generator=torch.Generator().manual_seed(7)).to(o)
-                o = o + KITCHEN_ERROR * o.norm() / noise.norm() * noise
-            return o if layout == "HND" else o.transpose(1, 2)
-
-        return kit.KernelFamily(env, kind=kind, tolerance=0.5, call=lambda: (fn, None),
-                                function=f"tests/unit/fake_quality_families.py {name}",
-                                detect=lambda rt: rt.arch is None)
-
-    return [family(SAGE, "sage", SAGE_LEVELS), family(KITCHEN, "ck", 0)]
+    # KITCHEN_ERROR is read on every call (tests set it)
+    return [make_family(kit, SAGE, "sage", SAGE_LEVELS), make_family(kit, KITCHEN, "ck", 0, error=lambda: KITCHEN_ERROR)]

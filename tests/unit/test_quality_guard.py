@@ -94,7 +94,7 @@ def schedule(steps):
 
 
 def forward(att, data, sched, step, index=True):
-    """One model forward at ``step`` (1-based): the DIFFUSION_MODEL wrapper's forward_start, then
+    """One model forward at ``step`` (1-based): the APPLY_MODEL wrapper's forward_start, then
     one attention call per block."""
     att.quality.forward_start({"sigmas": sched[step - 1:step].clone(), "sample_sigmas": sched})
     outs = []
@@ -310,7 +310,7 @@ def test_without_block_index_the_nth_call_of_the_forward_is_the_block(fresh):
 
 
 def test_the_forward_wrapper_reads_a_step_only_where_a_guarded_kernel_may_run(fresh):
-    """patch.py's DIFFUSION_MODEL wrapper starts the guard's forward (its one host read) for an override that
+    """patch.py's APPLY_MODEL wrapper starts the guard's forward (its one host read) for an override that
     may run a guarded kernel, and not for one whose every call is ComfyUI's own (kernel sdpa)."""
     from safe_ops import patch
     from safe_ops.attention.override import SafeAttention
@@ -325,3 +325,143 @@ def test_the_forward_wrapper_reads_a_step_only_where_a_guarded_kernel_may_run(fr
         st = att.quality.state()
         assert (st is not None and st.step == 1) is started, (policy.kernel, st)
         end_run()
+
+
+# ------------------------------------------------------------------------------------------------
+# A block moved to a family passes the same first-call check and kill switch as a planned one
+# (issue 36 point 1): a family SafeSage has seen fail never runs again for that class of call.
+def _with_families(fq, *extra):
+    """A SafeAttention (kernel sage, balanced) over fake_sage, then ``extra`` -- (name, error())
+    families of fake_kitchen's kind, registered for the test -- then fake_kitchen: the move order."""
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.facts.devices import Runtime
+    from safe_ops.families import envelope, registry
+    from safe_ops.policy import Policy
+    fams = [fq.make_family(registry.KIT, name, "ck", 0, error=err) for name, err in extra]
+    for f in fams:
+        envelope.register(f.envelope)
+    rt = Runtime("test", None, None, None, None, None, "test", None, None, None)
+    base = registry.installed_kernels(rt)
+    return SafeAttention(Policy(kernel="sage", quality="balanced"), rt=rt,
+                         kernels=base[:1] + [f.kernel() for f in fams] + base[1:])
+
+
+@pytest.fixture
+def extra_families(fresh):
+    yield
+    from safe_ops.families import envelope
+    for name in [n for n in fresh.LAUNCHES if n not in (fresh.SAGE, fresh.KITCHEN)]:
+        envelope.FAMILIES.pop(name, None)
+        fresh.LAUNCHES.pop(name, None)
+
+
+def _armed(error):
+    """An error() for a fake family: ``error`` until armed, then an ImportError (a build that cannot run
+    here) or the armed value."""
+    state = {"armed": None}
+
+    def err():
+        a = state["armed"]
+        if a is None:
+            return error
+        if isinstance(a, BaseException):
+            raise a
+        return a
+    return state, err
+
+
+def test_moved_block_whose_family_fails_its_first_check_never_runs_it_again(fresh, monkeypatch):
+    """fake_kitchen is accurate on step 1's sampled rows (the outliers move to it) and then returns
+    noise over its tolerance on the full calls: the first moved call's check fails (ComfyUI's own
+    recomputes it), and no later call of any moved block launches fake_kitchen -- before the fix
+    the other moved block and every later step ran it unchecked (3 more launches here)."""
+    fq, data = fresh, blocks()
+    att = make(quality="balanced")
+    sched = schedule(3)
+    outs = [forward(att, data, sched, 1)]
+    launched = fq.LAUNCHES[fq.KITCHEN]
+    monkeypatch.setattr(fq, "KITCHEN_ERROR", 0.9)            # over fake_kitchen's tolerance 0.5 from now on
+    outs += [forward(att, data, sched, s) for s in (2, 3)]
+    end_run()
+    assert choices()[OUTLIERS[0]]["family"] == fq.KITCHEN, choices()
+    assert fq.LAUNCHES[fq.KITCHEN] - launched == 1, "only the first moved call ran it (and failed its check)"
+    s = stats()
+    assert s["probe_failures"] == 1 and s["quality"]["moved_fallbacks"] == 2 * len(OUTLIERS) - 1, s
+    for step in (1, 2):
+        for b in OUTLIERS:
+            qq, k, v = data[b]
+            assert torch.equal(outs[step][b], comfy_fn(qq, k, v, H)), (step, b)     # ComfyUI's own, exactly
+        for b in BENIGN:
+            qq, k, v = data[b]
+            assert rel(outs[step][b], fake_sage_out(fq, qq, k, v)) < 1e-4, (step, b)
+
+
+def test_moved_block_failed_family_is_no_candidate_in_the_next_run(fresh, monkeypatch):
+    """The next run measures again, without the family that failed on this class of call: it is not
+    run on the sampled rows, and the outliers go to ComfyUI's own."""
+    fq, data = fresh, blocks()
+    att = make(quality="balanced")
+    sched = schedule(2)
+    forward(att, data, sched, 1)
+    monkeypatch.setattr(fq, "KITCHEN_ERROR", 0.9)
+    forward(att, data, sched, 2)
+    end_run()
+    monkeypatch.setattr(fq, "KITCHEN_ERROR", 0.006)           # it would pass on the rows again
+    launched = fq.LAUNCHES[fq.KITCHEN]
+    outs = sample(att, data, 2)
+    assert fq.LAUNCHES[fq.KITCHEN] == launched, "a failed family was measured as a candidate again"
+    ch = choices()
+    for b in OUTLIERS:
+        assert ch[b]["family"] == "sdpa" and ch[b]["candidates"].get(fq.KITCHEN) is None, ch[b]
+        qq, k, v = data[b]
+        assert torch.equal(outs[1][b], comfy_fn(qq, k, v, H)), b
+
+
+def test_moved_block_falls_back_to_the_next_family_under_its_target(fresh, extra_families):
+    """Two families under the outliers' target: they move to the first (fake_kitchen_b); when it
+    fails its first check they run the second (fake_kitchen), not ComfyUI's own; the fallback is
+    counted, and fake_kitchen_b is not launched again."""
+    fq, data = fresh, blocks()
+    state, err = _armed(0.003)
+    att = _with_families(fq, ("fake_kitchen_b", err))
+    assert att.quality_order(None) == [fq.SAGE, "fake_kitchen_b", fq.KITCHEN]
+    sched = schedule(3)
+    outs = [forward(att, data, sched, 1)]
+    launched = fq.LAUNCHES["fake_kitchen_b"]
+    state["armed"] = 0.9                       # over its tolerance on the full calls from step 2 on
+    outs += [forward(att, data, sched, s) for s in (2, 3)]
+    end_run()
+    ch = choices()
+    assert all(ch[b]["family"] == "fake_kitchen_b" for b in OUTLIERS), ch
+    assert fq.LAUNCHES["fake_kitchen_b"] - launched == 1
+    assert stats()["quality"]["moved_fallbacks"] == 2 * len(OUTLIERS) - 1
+    first, second = OUTLIERS
+    qq, k, v = data[first]
+    assert torch.equal(outs[1][first], comfy_fn(qq, k, v, H))          # the failed call: ComfyUI's own
+    for step, b in ((1, second), (2, first), (2, second)):                # then fake_kitchen
+        qq, k, v = data[b]
+        assert abs(rel(outs[step][b], SDPA(qq, k, v)) - fq.KITCHEN_ERROR) < 1e-3, (step, b)
+
+
+def test_moved_block_switched_off_family_is_not_run(fresh, extra_families):
+    """The kill switch holds for a moved block too: the family the outliers move to raises an
+    ImportError on the first moved call (a build that cannot run here: switched off for the process,
+    that call recomputed by ComfyUI's own); no later moved call launches it."""
+    fq, data = fresh, blocks()
+    state, err = _armed(0.003)
+    att = _with_families(fq, ("fake_kitchen_x", err))
+    sched = schedule(3)
+    outs = [forward(att, data, sched, 1)]
+    launched = fq.LAUNCHES["fake_kitchen_x"]
+    state["armed"] = ImportError("fake_kitchen_x: its extension cannot be loaded here (test)")
+    outs += [forward(att, data, sched, s) for s in (2, 3)]
+    end_run()
+    assert all(choices()[b]["family"] == "fake_kitchen_x" for b in OUTLIERS), choices()
+    assert fq.LAUNCHES["fake_kitchen_x"] - launched == 1
+    assert "fake_kitchen_x" in att.broken, att.broken
+    first, second = OUTLIERS
+    qq, k, v = data[first]
+    assert torch.equal(outs[1][first], comfy_fn(qq, k, v, H))
+    for step, b in ((1, second), (2, first), (2, second)):
+        qq, k, v = data[b]
+        assert abs(rel(outs[step][b], SDPA(qq, k, v)) - fq.KITCHEN_ERROR) < 1e-3, (step, b)
