@@ -302,10 +302,12 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
             if self._quality_told:
                 return
             self._quality_told = True
-            run_stats.once(("quality-no-run",), logging.INFO,
-                           "SafeSage: the quality guard saw no sampling step start (SafeSage's forward wrapper did "
-                           "not run for this model, e.g. another attention override was put after SafeSage): "
-                           "attention calls run as planned, with the fault checks only")
+            run_stats.once(("quality-no-run",), logging.WARNING,
+                           "SafeSage: the quality guard is off for these calls: no sampling step started for them. "
+                           "SafeSage's APPLY_MODEL wrapper marks each model evaluation of ComfyUI's sampler; it did "
+                           "not run (the model was called outside ComfyUI's sampler), or found another attention "
+                           "override put after SafeSage on the model (it chains SafeSage). Attention calls run as "
+                           "planned, with the first-call fault checks only")
             return
         if st.mode is quality_guard.PLANNED:
             return                      # this forward runs the plans as they are: no call's block is used
@@ -318,11 +320,33 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         if st.mode == quality_guard.EXACT:
             quality_guard.STATS.bump("exact_calls")
             return None
-        fam = st.choices.get((n.block, p.klass))
-        if fam is None or fam == plan.kernel:
+        fams = st.choices.get((n.block, p.klass))
+        if fams is None:
             return plan
         quality_guard.STATS.bump("moved_calls")
-        return self._family_plan(p, fam, p.device) if fam != "sdpa" else None
+        for fam in fams:
+            if fam == "sdpa":
+                return None
+            got = plan if fam == plan.kernel else self._family_plan(p, fam, p.device)
+            if got is not None:
+                return got
+            # the family it moved to cannot run it (failed its first-call check on this class of call,
+            # switched off, or outside its limits): the next family under the block's target, else ComfyUI's own
+            quality_guard.STATS.bump("moved_fallbacks")
+            run_stats.once(("quality-moved-fallback", fam, p.klass), logging.WARNING,
+                           "SafeSage quality guard: %s cannot run the calls of %s moved to it (%s); they run %s "
+                           "instead", fam, p.shape_key, self._why_not(fam, p),
+                           next((f for f in fams[fams.index(fam) + 1:] if f != "sdpa"), "ComfyUI's own attention"))
+        return None
+
+    def _why_not(self, family: str, p: Prepared) -> str:
+        """Why ``family`` cannot run ``p``'s calls (a log line's words)."""
+        if family in self.broken:
+            return f"switched off: {self.broken[family]}"
+        bad = self.verifier.known_bad(self._class_key(family, p.call)) if family in self.kernels else None
+        if bad is not None:
+            return f"failed its check on this class of call: {bad.detail}"
+        return "outside its limits or not installed"
 
     @staticmethod
     def _call_key(n: Normalised, func: Callable | None) -> tuple:

@@ -14,11 +14,15 @@
 * **exact steps** (``exact_steps`` N): the first and last N steps run ComfyUI's own attention.
 
 The step comes from ComfyUI's ``transformer_options["sigmas"]`` against
-``transformer_options["sample_sigmas"]``, read once per forward by the DIFFUSION_MODEL wrapper
-(patch.py) together with any pending errors: one host read per forward, only while the guard is
-on. A run is ``facts.compiler.run_id()`` (the calling thread's sampling run; patch.py's
+``transformer_options["sample_sigmas"]``, read once per forward by patch.py's APPLY_MODEL wrapper
+together with any pending errors: one host read per forward, only while the guard is on. That
+wrapper runs eagerly also under ComfyUI's TorchCompileModel, which compiles the diffusion model
+inside an APPLY_MODEL wrapper of its own (a DIFFUSION_MODEL wrapper would be traced there: HAZARDS
+H-10). A run is ``facts.compiler.run_id()`` (the calling thread's sampling run; patch.py's
 OUTER_SAMPLE wrapper ends it). Under torch.compile the measurement runs inside SafeSage's opaque
-op (its body is eager); during CUDA-graph capture nothing here runs (special_calls.py).
+op (its body is eager) and the moved blocks' plans are chosen there, so a compiled model is
+measured at step 1 and runs the choices from step 2 with no graph break added; during CUDA-graph
+capture nothing here runs (special_calls.py).
 Everything is counted in the ``quality`` section of the run statistics, and the last run's choices
 are kept for the node's status, ``/safesage/stats`` and the stats panel (:func:`report`).
 """
@@ -40,7 +44,8 @@ from .probe import reference, rel_error, sample_rows
 log = logging.getLogger("SafeSage")
 
 STATS = run_stats.Section("quality", ("probes", "report_probes", "inconclusive", "host_reads", "plan_changes",
-                                        "blocks_moved", "moved_calls", "exact_calls", "forwards_without_step"))
+                                        "blocks_moved", "moved_calls", "moved_fallbacks", "exact_calls",
+                                        "forwards_without_step"))
 PLANNED, PROBE, REPORT, CHOSEN, EXACT = "planned", "probe", "report", "chosen", "exact"
 RUNS_KEPT = 4
 #: how a run's choices are shown (``/safesage/stats`` ``quality.last_run``)
@@ -70,7 +75,7 @@ class RunState:
     ordinal: int = 0                 # attention calls so far in this forward (blocks without an index)
     pending: list = field(default_factory=list)
     seen: set = field(default_factory=set)        # (block, klass) measured at the current step
-    choices: dict = field(default_factory=dict)   # (block, klass) -> family from step 2 on
+    choices: dict = field(default_factory=dict)   # (block, klass) -> (family, alternatives...) from step 2 on
     decided: bool = False
 
 
@@ -96,7 +101,7 @@ class QualityGuard:
         return getattr(self._local, "st", None)
 
     def forward_start(self, transformer_options: dict | None) -> None:
-        """A diffusion-model forward begins (eager, the DIFFUSION_MODEL wrapper): which step it is,
+        """A diffusion-model forward begins (eager: patch.py's APPLY_MODEL wrapper): which step it is,
         and -- after a measured step -- the choices, in one host read."""
         rid = compiler.run_id()
         st = self._runs.get(rid)
@@ -261,7 +266,9 @@ class QualityGuard:
         later = [(i, pb) for i, pb in enumerate(pend) if not pb.probe]
         if probed and not st.decided:
             choices = targets.decide(measured(probed), self.quality, probed[0][1].order)
-            st.choices = {(c.block, c.klass): c.family for c in choices if c.moved}
+            # (block, class) -> the families it runs, in order: the choice, then the others under its
+            # target (the override takes the first that can run the call; ComfyUI's own after them)
+            st.choices = {(c.block, c.klass): (c.family,) + tuple(c.alternatives) for c in choices if c.moved}
             st.decided = True
             moved = sum(c.moved for c in choices)
             if moved:
