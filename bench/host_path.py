@@ -91,7 +91,7 @@ def measure(device: str = "cpu", calls: int = 2000, rounds: int = 7) -> dict:
         guarded = SafeAttention(Policy(kernel="sage", verify="off", quality=quality.split(",")[0]),
                                 kernels=[Kernel(env, null_kernel)], rt=rt)
         if guarded.quality.active:
-            # a forward of a sampling run has started (the DIFFUSION_MODEL wrapper's call), as in a
+            # a forward of a sampling run has started (the APPLY_MODEL wrapper's call), as in a
             # real run; no step is known here, so nothing is measured: the forward runs its plans
             # as they are (no block moved). "blocks moved": steps 2.. after the guard moved some
             # block (not these calls'): each call is told its block and looks its choice up.

@@ -40,9 +40,16 @@ class SafeSageError(RuntimeError):
 
 @contain.boundary
 def _forward_wrapper(executor, *args, **kwargs):
-    """DIFFUSION_MODEL wrapper: count the diffusion-model forwards (the node's statistics), have
-    ComfyUI's allocation compiler asked again once for this forward, and tell the quality guard a
-    forward starts (which step; its one host read, quality/guard.py)."""
+    """APPLY_MODEL wrapper, around each model evaluation (``BaseModel.apply_model``: one
+    diffusion-model forward): count the forwards (the node's statistics), have ComfyUI's
+    allocation compiler asked again once for this forward, and tell the quality guard a forward
+    starts (which step; its one host read, quality/guard.py).
+
+    An APPLY_MODEL wrapper, not a DIFFUSION_MODEL one: ComfyUI's TorchCompileModel swaps a
+    ``torch.compile``d ``diffusion_model`` in from an APPLY_MODEL wrapper of its own, and H3's
+    ``forward`` runs the DIFFUSION_MODEL wrappers inside it, so a DIFFUSION_MODEL wrapper is
+    traced there (HAZARDS H-10): the step reading would be skipped and the count traced once.
+    Here all three run eagerly, compiled model or not, whatever the wrappers' order."""
     try:
         _forward_start(args, kwargs)
     except Exception as e:  # noqa: BLE001 - see contain.py
@@ -57,10 +64,10 @@ def _forward_wrapper(executor, *args, **kwargs):
 
 def _forward_start(args: tuple, kwargs: dict) -> None:
     if compiling() or capturing():
-        return                       # traced / captured: no host read here (the calls run as planned)
+        return                       # traced / captured (a caller compiled apply_model itself): no host read
     compiler.forward_started()       # ComfyUI's compiler is asked once in this forward (facts/compiler.py)
     to = kwargs.get("transformer_options")
-    if not isinstance(to, dict):     # models pass it positionally at different places
+    if not isinstance(to, dict):     # apply_model takes it positionally (its 6th argument)
         to = next((a for a in args if isinstance(a, dict) and OVERRIDE_KEY in a), None)
     att = to.get(OVERRIDE_KEY) if isinstance(to, dict) else None
     # only where a guarded kernel may run: a model whose every call is ComfyUI's own pays no host read
@@ -143,7 +150,7 @@ def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
 
 
 # wrapper type (name in comfy.patcher_extension.WrappersMP) -> wrapper
-WRAPPERS = {"DIFFUSION_MODEL": _forward_wrapper, "OUTER_SAMPLE": _run_wrapper}
+WRAPPERS = {"APPLY_MODEL": _forward_wrapper, "OUTER_SAMPLE": _run_wrapper}
 
 
 def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, dict]:
@@ -184,6 +191,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     # Count forwards, and mark where a sampling run ends (idempotent: removed, then added under
     # a fixed key).
     wrappers_mp = None
+    installed: set = set()
     try:
         from comfy.patcher_extension import WrappersMP as wrappers_mp  # type: ignore
     except Exception:
@@ -196,6 +204,12 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
             if hasattr(m, "remove_wrappers_with_key"):
                 m.remove_wrappers_with_key(wtype, WRAPPER_KEY)
             m.add_wrapper_with_key(wtype, WRAPPER_KEY, fn)
+            installed.add(name)
+    if attn.quality.active and attn.may_guard and "APPLY_MODEL" not in installed:
+        # no step is ever read: the guard measures nothing and moves nothing (said, not implied)
+        warnings.append("the quality guard is off: this ComfyUI has no APPLY_MODEL model wrappers "
+                        "(comfy.patcher_extension.WrappersMP), so SafeSage cannot tell sampling steps apart; "
+                        "attention runs as planned with the first-call fault checks only")
 
     # Always called: with "off" it removes MLP patches an earlier SafeSage node left on this model.
     setting: Any = policy.mlp_chunk_tokens if policy.mlp_chunking == "tokens" else policy.mlp_chunking

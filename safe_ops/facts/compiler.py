@@ -48,7 +48,7 @@ def enabled(device) -> bool:
 
 def enabled_now(device) -> bool:
     """:func:`enabled`, asked once per device per diffusion-model forward of the calling thread
-    (patch.py's DIFFUSION_MODEL wrapper calls :func:`forward_started`), not once per attention or
+    (patch.py's APPLY_MODEL wrapper calls :func:`forward_started`, eagerly also under TorchCompileModel), not once per attention or
     MLP call. ComfyUI's answer depends on its flags and the kind of device only; a thread whose
     forwards are not wrapped keeps its first answer."""
     c = getattr(_local, "enabled", None)

@@ -8,7 +8,7 @@ Expected counts come from the graph, not from observation:
   * KSampler with euler runs one model forward per step; with cfg 1.0 ComfyUI skips the negative
     (uncond) entirely, so forwards == steps; with cfg > 1 cond and uncond run either batched in
     one forward or as two forwards, which is why that case is counted through the pack's own
-    `forwards` counter (its DIFFUSION_MODEL wrapper, installed on every ComfyUI the CI runs).
+    `forwards` counter (its APPLY_MODEL wrapper, installed on every ComfyUI the CI runs).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ def test_mlp_auto_chunk_kept_for_the_run(prefetch, monkeypatch):
 
 
 def test_comfys_compiler_is_asked_once_per_forward_not_per_call(prefetch, monkeypatch):
-    """ComfyUI's malloc_graph_enabled is asked once per device in a forward (the DIFFUSION_MODEL
+    """ComfyUI's malloc_graph_enabled is asked once per device in a forward (the APPLY_MODEL
     wrapper starts one), whatever the number of attention calls; the next forward asks again."""
     asked = []
     real = prefetch.malloc_graph_enabled
@@ -187,7 +187,7 @@ def test_comfys_compiler_is_asked_once_per_forward_not_per_call(prefetch, monkey
     assert len(asked) == 2
 
 
-def test_the_diffusion_model_wrapper_starts_a_forward(prefetch, monkeypatch):
+def test_the_apply_model_wrapper_starts_a_forward(prefetch, monkeypatch):
     from safe_ops import patch
     asked = []
     monkeypatch.setattr(prefetch, "malloc_graph_enabled", lambda device: asked.append(device) or True)

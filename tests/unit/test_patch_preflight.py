@@ -53,7 +53,7 @@ def _rt(monkeypatch):
     monkeypatch.setattr(patch_mod, "runtime", lambda: NO_SAGE)
     if "comfy.patcher_extension" not in sys.modules:   # ComfyUI's WrappersMP, as at 0.3.75/0dd9b154
         ext = types.ModuleType("comfy.patcher_extension")
-        ext.WrappersMP = type("WrappersMP", (), {"DIFFUSION_MODEL": "diffusion_model",
+        ext.WrappersMP = type("WrappersMP", (), {"APPLY_MODEL": "apply_model", "DIFFUSION_MODEL": "diffusion_model",
                                                  "OUTER_SAMPLE": "outer_sample"})
         monkeypatch.setitem(sys.modules, "comfy", sys.modules.get("comfy") or types.ModuleType("comfy"))
         monkeypatch.setitem(sys.modules, "comfy.patcher_extension", ext)
@@ -77,7 +77,7 @@ def test_idempotent_on_a_patched_model():
     to = m2.model_options["transformer_options"]
     assert isinstance(to["optimized_attention_override"], SafeAttention)
     assert not s2["warnings"]
-    assert [len(w) for w in m2.wrappers["diffusion_model"].values()] == [1]
+    assert [len(w) for w in m2.wrappers["apply_model"].values()] == [1]
 
 
 def test_a_sampling_run_ends_even_if_it_raises():
@@ -95,7 +95,7 @@ def test_a_sampling_run_ends_even_if_it_raises():
         outer(sampling, 1, 2)
     assert compiler.run_id() == run + 1
     assert outer(lambda x: x * 2, 21) == 42 and compiler.run_id() == run + 2
-    (fwd,), = m.wrappers["diffusion_model"].values()
+    (fwd,), = m.wrappers["apply_model"].values()
     forwards = run_stats.value("forwards")
     assert fwd(lambda: "out") == "out" and compiler.run_id() == run + 2
     assert run_stats.value("forwards") == forwards + 1
