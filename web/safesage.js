@@ -65,6 +65,9 @@ function showLastRun(node, line) {
     lines.push(line);
     node.safesageLastRun = line;
     showOnNode(node, lines.join("\n"));
+    // the status is often taller than its box: scroll to the new line (the status is above it)
+    const el = statusWidget(node).safesageElement;
+    if (el) el.scrollTop = el.scrollHeight;
   } catch (e) {
     console.warn("[SafeSage] could not show the quality outcome on the node:", e, "\n" + line);
   }

@@ -1,0 +1,140 @@
+"""The quality guard's outcome on the node, in ComfyUI's real frontend (headless Debian chromium).
+
+A headless ComfyUI (--cpu) of its own, started as tests/comfy/test_comfy_quality.py starts its
+server: the fake families of tests/unit/fake_quality_families.py (SAFESAGE_EXTRA_FAMILIES) and a
+tiny H3 whose blocks 4 and 5 carry outlier k channels, so balanced moves them to fake_kitchen. The
+graph is queued from the frontend (its Run button) twice: after the first run the SafeSage node shows
+its status with one ``last run: blocks 4-5 → fake_kitchen, ...`` line under it (the
+``safesage.quality`` event, web/safesage.js), the same line ``/safesage/stats`` holds; the second
+run samples again with a new seed while ComfyUI has the SafeSage node's output cached (the node does
+not run, so its status is not written again) and the line is replaced, the status kept. Skipped
+with the reason without chromium/playwright/the frontend (tests/browser/conftest.py) or without H3.
+Marked `browser`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from browser import open_comfy
+from tools.harness.comfy_graphs import h3_graph
+from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
+                                        has_minimax_h3)
+
+pytestmark = pytest.mark.browser
+
+BLOCKS, OUTLIERS, FACTOR, STEPS = 6, (4, 5), 32, 3
+FAKE = "fake_quality_families"
+SAFESAGE_ID = "10"                      # h3_graph's SafeSageAttention node
+STATUS_JS = """() => {
+    const n = app.graph._nodes.find((x) => x.type === 'SafeSageAttention');
+    const w = n?.widgets?.find((x) => x.name === 'safesage_status');
+    return w ? (w.safesageElement ? w.safesageElement.value : w.value) ?? '' : null;
+}"""
+# the KSampler's seed, fixed (the frontend would randomise it after each queue)
+SEED_JS = """(seed) => {
+    const ks = app.graph._nodes.find((x) => x.type === 'KSampler');
+    for (const w of ks.widgets) {
+        if (w.name === 'seed') w.value = seed;
+        if (w.name === 'control_after_generate') w.value = 'fixed';
+    }
+}"""
+# the line in a visible status box, as its last line, scrolled into view (the box is shorter than the status)
+VISIBLE_JS = """(line) => [...document.querySelectorAll('textarea')].some((t) => {
+    const r = t.getBoundingClientRect();
+    return t.value.endsWith('\\n' + line) && r.width > 50 && r.height > 20 && t.offsetParent !== null
+        && r.right > 0 && r.bottom > 0 && r.left < innerWidth && r.top < innerHeight
+        && t.scrollTop + t.clientHeight >= t.scrollHeight - 2;
+})"""
+EVENT_LOG = "[SafeSage] quality guard, "     # web/safesage.js logs each event it shows
+
+
+@pytest.fixture(scope="module")
+def qserver(tmp_path_factory):
+    if not has_minimax_h3():
+        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3: the quality guard's browser test needs a ComfyUI with "
+                    "H3 (0dd9b154 or later); `bash .ci/run` runs it in its 0dd9b154 pass"
+                    % os.environ.get("COMFYUI_PATH"))
+    path = tmp_path_factory.mktemp("fake_families")
+    (path / f"{FAKE}.py").symlink_to(REPO / "tests" / "unit" / f"{FAKE}.py")
+    server = ComfyServer(tmp_path_factory.mktemp("browser_quality"),
+                         {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name="browser-quality",
+                         env={"SAFESAGE_EXTRA_FAMILIES": FAKE, "PYTHONPATH": str(path)})
+    try:
+        server.start()
+        model = server.make_model("h3", "safesage_tiny_h3_outliers.safetensors", seed=77,
+                                  args=("--blocks", str(BLOCKS), "--outlier-blocks", ",".join(map(str, OUTLIERS)),
+                                        "--outlier-factor", str(FACTOR)))
+        yield server, os.path.basename(model["path"])
+    finally:
+        server.stop()
+
+
+def _wait_idle(server, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        q = server.get_json("/queue")
+        if not q["queue_running"] and not q["queue_pending"]:
+            return
+        time.sleep(0.2)
+    raise TimeoutError("the prompt queued from the frontend did not finish; log tail:\n" + server.log_tail())
+
+
+def _run_from_frontend(page, server, console, seed: int) -> str:
+    """Queue the loaded graph with the Run button at ``seed``; the status text once this run's
+    safesage.quality event has been shown."""
+    shown = sum(EVENT_LOG in line for line in console)
+    page.evaluate(SEED_JS, seed)
+    page.get_by_role("button", name="Run", exact=True).first.click(timeout=10_000)
+    deadline = time.monotonic() + 240
+    while sum(EVENT_LOG in line for line in console) == shown:
+        assert time.monotonic() < deadline, ("no safesage.quality event shown; console: %s\nlog tail:\n%s"
+                                             % (console[-20:], server.log_tail()))
+        page.wait_for_timeout(200)
+    _wait_idle(server)
+    return page.evaluate(STATUS_JS)
+
+
+def _last_prompt(server) -> dict:
+    hist = server.get_json("/history")
+    return max(hist.values(), key=lambda e: e["prompt"][0])
+
+
+def test_last_run_line_under_the_status_after_a_run_with_moved_blocks(qserver, tmp_path):
+    server, unet = qserver
+    console: list[str] = []
+    with open_comfy(server.url, console) as page:
+        graph = h3_graph(unet, 6100, "browser_quality", steps=STEPS, safesage={"kernel": "sage", "quality": "balanced"})
+        page.evaluate("async (g) => { await app.loadApiJson(g, 'safesage_quality'); }", graph)
+        page.evaluate("""() => {
+            const ss = app.graph._nodes.find((n) => n.type === 'SafeSageAttention');
+            ss.pos = [0, 0]; ss.size = [600, 420];
+            app.canvas.ds.scale = 1; app.canvas.ds.offset = [90, 130];
+            app.canvas.setDirty(true, true);
+        }""")
+
+        text = _run_from_frontend(page, server, console, 6101)
+        summary = server.safesage_stats()["quality_last_run"]["summary"]
+        assert summary.startswith(f"last run: blocks {OUTLIERS[0]}-{OUTLIERS[-1]} → fake_kitchen, "), summary
+        lines = text.split("\n")
+        assert lines[0].startswith("SafeSage: ") and "quality: balanced" in text, text      # the status, kept
+        assert lines[-1] == summary and sum(l.startswith("last run: ") for l in lines) == 1, text
+        assert page.evaluate(VISIBLE_JS, summary), "the last-run line is not in a visible box on the node"
+        status = "\n".join(lines[:-1])
+        page.screenshot(path=str(tmp_path / "quality_last_run.png"))
+
+        # again with another seed: the SafeSage node's output is cached (it does not run, its status is
+        # not written again); the new run's line replaces the old one, the status stays
+        text2 = _run_from_frontend(page, server, console, 6102)
+        entry = _last_prompt(server)
+        cached = [m[1].get("nodes", []) for m in entry["status"]["messages"] if m[0] == "execution_cached"]
+        assert cached and SAFESAGE_ID in cached[0], entry["status"]["messages"]
+        summary2 = server.safesage_stats()["quality_last_run"]["summary"]
+        assert text2 == status + "\n" + summary2, (text2, status, summary2)
+        assert page.evaluate(VISIBLE_JS, summary2)
+    errors = [l for l in console if (l.startswith(("error:", "warning:")) and "[SafeSage]" in l)
+              or (l.startswith("pageerror:") and "safesage" in l.lower())]
+    assert not errors, errors
