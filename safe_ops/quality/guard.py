@@ -299,10 +299,13 @@ def _r(x):
 
 def _entry(c: targets.Choice) -> dict:
     """One (block, class of call) of a run: what was planned and its error, the target, what runs
-    from step 2 on (``family``) and its error, whether it moved, why, the candidates' errors."""
+    from step 2 on (``family``) and its error, whether it moved, why, the candidates' errors, and
+    ``alternatives``: the other families under the target it runs, in order, where ``family``
+    cannot (failed its check, switched off; ``quality.moved_fallbacks`` counts those calls)."""
     return {"block": c.block, "family": c.family, "error": _r(c.error), "planned": c.planned,
             "planned_error": _r(c.planned_error), "target": _r(c.target), "moved": c.moved, "why": c.why,
-            "candidates": {f: _r(e) for f, e in c.candidates.items()}, "call_class": c.klass}
+            "candidates": {f: _r(e) for f, e in c.candidates.items()}, "call_class": c.klass,
+            "alternatives": list(c.alternatives)}
 
 
 _unsent = False          # published since the last event (under _LAST_LOCK)

@@ -94,7 +94,7 @@ def test_outlier_blocks_move_benign_stay_one_plan_change_per_run(qserver, seed_c
                 assert c["planned_error"] > c["target"] >= c["error"], (b, choices)
                 assert abs(c["candidates"][KITCHEN] - KITCHEN_ERROR) < 1e-3 and c["error"] == c["candidates"][KITCHEN], c
                 assert c["why"].startswith(f"{SAGE} ") and " over target " in c["why"], c
-                assert c["call_class"], c
+                assert c["call_class"] and c["alternatives"] == [], c      # no other family under the target
             for b in set(range(BLOCKS)) - set(OUTLIERS):
                 c = ch[b]
                 assert (c["planned"], c["family"], c["moved"]) == (SAGE, SAGE, False), (b, choices)

@@ -122,7 +122,7 @@ def test_one_event_per_run_with_the_blocks_and_summary(fresh, server):
             e = by[b]
             assert (e["planned"], e["family"], e["moved"]) == (fq_.SAGE, fq_.KITCHEN, True), e
             assert e["planned_error"] > e["target"] >= e["error"] and "over target" in e["why"], e
-            assert e["call_class"] and e["candidates"][fq_.KITCHEN] == e["error"], e
+            assert e["call_class"] and e["candidates"][fq_.KITCHEN] == e["error"] and e["alternatives"] == [], e
         lo = min(by[b]["planned_error"] for b in OUTLIERS)
         hi = max(by[b]["planned_error"] for b in OUTLIERS)
         assert payload["summary"] == last["summary"] == (
