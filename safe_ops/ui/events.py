@@ -6,7 +6,7 @@ and then nothing is sent). The event goes to the client that queued the running 
 (``PromptServer.instance.client_id``; every client when none is known), as ComfyUI sends a
 node's output. The data is made plain JSON first (finite numbers, string keys): ComfyUI's
 publishing loop serialises it later, on the server's event loop, where an error would stop every
-message to the frontend. Sending never raises: an error is logged once and the prompt goes on.
+message to the frontend. An error of ComfyUI's sending is logged once and the prompt goes on.
 """
 from __future__ import annotations
 
@@ -42,13 +42,17 @@ def plain(value: Any) -> Any:
 
 def send(event: str, data: Any) -> bool:
     """Send ``event`` with ``data`` to the frontend; True when handed to the server. False when
-    there is no server, or sending failed (logged once per event)."""
+    there is no server, or ComfyUI's ``send_sync`` raised (logged once per event: not SafeSage's
+    error, the prompt goes on). An error of this module's own code reaches the caller, whose
+    containment boundary counts it (patch.py's sampling-run wrapper)."""
+    ps = server()
+    if ps is None:
+        return False
+    sid = getattr(ps, "client_id", None)
+    sid = sid if isinstance(sid, str) and sid else None
+    payload = plain(data)
     try:
-        ps = server()
-        if ps is None:
-            return False
-        sid = getattr(ps, "client_id", None)
-        ps.send_sync(event, plain(data), sid if isinstance(sid, str) and sid else None)
+        ps.send_sync(event, payload, sid)
         return True
     except Exception as e:  # noqa: BLE001 - the frontend's extra line never fails a prompt
         run_stats.once(("event-send", event), logging.WARNING,

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 from safe_ops.quality.outcome import summary  # noqa: E402
 from safe_ops.ui import events  # noqa: E402
-from test_quality_guard import NB, OUTLIERS, blocks, fq, fresh, make, sample, stats  # noqa: E402,F401
+from test_quality_guard import NB, OUTLIERS, blocks, forward, fq, fresh, make, sample, schedule, stats  # noqa: E402,F401
 
 
 def entry(block, planned="sage2", error=0.01, family=None, target=0.045):
@@ -142,3 +142,16 @@ def test_a_failing_server_never_fails_the_run(fresh, server):
     server(fail=TypeError("not serialisable"))
     sample(make(quality="balanced"), blocks(), 2)                  # guard.run_ended does not raise
     assert stats()["quality_last_run"]["summary"].startswith(f"last run: blocks {OUTLIERS[0]}-{OUTLIERS[-1]} → ")
+
+
+def test_a_fault_in_the_events_own_code_is_counted_by_the_run_wrappers_boundary(fresh, server, monkeypatch):
+    """Not swallowed in ui/events.py: it reaches patch.py's sampling-run wrapper, which counts it as an
+    internal error and returns the run's result."""
+    from safe_ops import patch
+    ps = server()
+    monkeypatch.setattr(events, "plain", lambda data: 1 / 0)
+    att, data, sched = make(quality="balanced"), blocks(), schedule(2)
+    forward(att, data, sched, 1)
+    forward(att, data, sched, 2)
+    assert patch._run_wrapper(lambda *a, **k: "the run's result") == "the run's result"
+    assert ps.sent == [] and stats().get("internal_errors") == 1, stats().get("fallback_reasons")
