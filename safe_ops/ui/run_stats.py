@@ -59,8 +59,25 @@ MAX_THREAD_KEYS = 4 * MAX_KEYS          # keys a thread's own counts hold; a new
 _REASON = "fallback reason"             # (_REASON, reason): a fallback's reason among a thread's counts
 
 
+def _no_compiler() -> bool:
+    return False
+
+
+try:
+    import torch
+    #: ``torch.compiler.is_compiling``: True while dynamo traces the caller (a constant to it)
+    _tracing = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _no_compiler
+except ImportError:          # the store is read where torch is missing too (nothing is traced there)
+    _tracing = _no_compiler
+
+
 def count(key: Any, n: int = 1) -> None:
-    """Add ``n`` to counter ``key``: the calling thread's own dict, no lock (summed on read)."""
+    """Add ``n`` to counter ``key``: the calling thread's own dict, no lock (summed on read).
+    Nothing while torch.compile traces the caller: dynamo would replay a traced write of the
+    thread's dict after every run of the graph with the values it saw when tracing, wiping what
+    the graph's eager parts (SafeSage's opaque attention op) counted in between."""
+    if _tracing():
+        return
     try:
         c = _own.counts
     except AttributeError:
@@ -83,7 +100,10 @@ def _add(key: Any, n: int) -> None:
 
 def counts() -> dict:
     """The calling thread's own counts, for a hot path that counts several things in one call:
-    ``c[key] = c.get(key, 0) + n`` (only this thread writes it; a read sums it in)."""
+    ``c[key] = c.get(key, 0) + n`` (only this thread writes it; a read sums it in). While
+    torch.compile traces the caller, a dict of its own that nothing reads (see :func:`count`)."""
+    if _tracing():
+        return {}
     try:
         return _own.counts
     except AttributeError:

@@ -231,3 +231,34 @@ def test_a_family_switched_off_is_off_for_a_later_safesage_too():
     report.disabled("toy_sage", "cannot run here")
     later = SafeAttention(Policy(kernel="auto", verify="off"), kernels=[], rt=CPU_RT)
     assert first.broken == later.broken == {"toy_sage": "cannot run here"}
+
+
+def test_counts_made_while_a_graph_runs_survive_counts_traced_in_it():
+    """A compiled graph whose traced code counts (the H3 MLP patch under TorchCompileModel) and whose
+    opaque op counts at run time (SafeSage's attention op body): before, dynamo replayed the traced
+    write of the thread's dict after every run, wiping the op's counts (a headless ComfyUI showed 0
+    attention calls and 0 probes under TorchCompileModel while the guard moved blocks)."""
+    lib = torch.library.Library("safesage_test_counts", "FRAGMENT")
+    lib.define("tick(Tensor x) -> Tensor")
+
+    def tick(x):
+        report.count("test_op_ran")
+        return x.clone()
+
+    lib.impl("tick", tick, "CompositeExplicitAutograd")
+    lib._register_fake("tick", lambda x: torch.empty_like(x))
+
+    def fn(x):
+        report.count("test_traced")              # counted in traced code
+        c = report.counts()
+        c["test_traced_hot"] = c.get("test_traced_hot", 0) + 1
+        return torch.ops.safesage_test_counts.tick(x * 2)
+
+    report.count("test_warm")                    # this thread's dict exists (made under the lock) before the trace
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="eager")
+    for _ in range(3):
+        f(torch.ones(4))
+    assert report.value("test_op_ran") == 3
+    snap = report.snapshot()
+    assert not snap.get("test_traced") and not snap.get("test_traced_hot"), "a traced count is a stale replay"
