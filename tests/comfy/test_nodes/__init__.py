@@ -16,6 +16,8 @@ SafeSageTestSaveLatent writes every tensor of a LATENT (plain or nested, e.g. Mi
 audio-video latent, which core SaveLatent cannot save) to
 <output>/safesage_test/<name>.safetensors as t0, t1, ... and reports the file in its UI output.
 
+SafeSageTestTorchCompile is ComfyUI's TorchCompileModel with the ``eager`` backend to choose.
+
 SafeSageTestFaults (fault_injector.py) records which of the pack's functions a prompt's sampling
 runs, or makes one of them raise, for tests/comfy/test_fault_injection.py.
 """
@@ -114,7 +116,31 @@ class SafeSageTestChainingOverride:
 
 from .fault_injector import SafeSageTestFaults  # noqa: E402
 
+class SafeSageTestTorchCompile:
+    """ComfyUI's TorchCompileModel with torch's ``eager`` backend: the same ComfyUI function
+    (``comfy_api.torch_helpers.set_torch_compile_wrapper``: the diffusion model ``torch.compile``d and
+    swapped in from an APPLY_MODEL wrapper, transformer_options' guards skipped) and the same dynamo
+    trace, without inductor's code generation, which takes minutes per step for the tiny H3 on a
+    2-core CPU (the node's own choices are inductor and cudagraphs)."""
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "backend": (["eager", "aot_eager", "inductor"],)}}
+
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "patch"
+    CATEGORY = "_for_testing/safesage"
+
+    def patch(self, model, backend):
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+        import comfy_extras.nodes_torch_compile as tc
+        m = model.clone()
+        set_torch_compile_wrapper(model=m, backend=backend, options={"guard_filter_fn": tc.skip_torch_compile_dict})
+        return (m,)
+
+
 NODE_CLASS_MAPPINGS = {"SafeSageTestSaveLatent": SafeSageTestSaveLatent,
+                       "SafeSageTestTorchCompile": SafeSageTestTorchCompile,
                        "SafeSageTestAttentionOverride": SafeSageTestAttentionOverride,
                        "SafeSageTestChainingOverride": SafeSageTestChainingOverride,
                        "SafeSageTestFaults": SafeSageTestFaults}
