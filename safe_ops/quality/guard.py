@@ -63,6 +63,7 @@ class _Pending:
     candidates: dict                 # family -> 0-d tensor or None
     probe: bool                      # step 1 (choose) or the report step (report only)
     order: list                      # the families it may move to, fastest first
+    ceiling: float | None = None     # the planned family's fault tolerance (targets.decide's ceiling)
 
 
 @dataclass
@@ -251,7 +252,9 @@ class QualityGuard:
             st.pending.append(_Pending(block, klass, plan.kernel, None, {}, st.mode == PROBE, []))
             return
         STATS.bump("probes" if st.mode == PROBE else "report_probes")
-        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order))
+        kern = att.kernels.get(plan.kernel)
+        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order,
+                                   getattr(kern, "tolerance", None)))
 
     def _conclude(self, st: RunState, pend: list, values: dict) -> None:
         """The measured step's errors are on the host: choose (step 1) or report (a later step)."""
@@ -265,7 +268,8 @@ class QualityGuard:
         probed = [(i, pb) for i, pb in enumerate(pend) if pb.probe]
         later = [(i, pb) for i, pb in enumerate(pend) if not pb.probe]
         if probed and not st.decided:
-            choices = targets.decide(measured(probed), self.quality, probed[0][1].order)
+            ceilings = {pb.family: pb.ceiling for _, pb in probed if pb.ceiling is not None}
+            choices = targets.decide(measured(probed), self.quality, probed[0][1].order, ceilings)
             # (block, class) -> the families it runs, in order: the choice, then the others under its
             # target (the override takes the first that can run the call; ComfyUI's own after them)
             st.choices = {(c.block, c.klass): (c.family,) + tuple(c.alternatives) for c in choices if c.moved}

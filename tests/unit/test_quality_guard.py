@@ -465,3 +465,33 @@ def test_moved_block_switched_off_family_is_not_run(fresh, extra_families):
     for step, b in ((1, second), (2, first), (2, second)):
         qq, k, v = data[b]
         assert abs(rel(outs[step][b], SDPA(qq, k, v)) - fq.KITCHEN_ERROR) < 1e-3, (step, b)
+
+
+def test_a_majority_of_drifting_blocks_moves_over_the_planned_familys_tolerance(fresh, extra_families):
+    """5 of 8 blocks drift (the run's median is a drifting block's error: the relative target alone moves
+    nothing). The planned family's fault tolerance caps the target (targets.decide's ceiling, handed in
+    by the guard): every drifting block moves to fake_kitchen, no benign one does."""
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.facts.devices import Runtime
+    from safe_ops.families import envelope, registry
+    from safe_ops.policy import Policy
+    fq = fresh
+    g = torch.Generator().manual_seed(3)
+    drifting = (3, 4, 5, 6, 7)
+    data = []
+    for b in range(NB):
+        q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+        if b in drifting:
+            q[..., :2] *= 32
+            k[..., :2] *= 32
+        data.append((q, k, v))
+    strict_sage = fq.make_family(registry.KIT, "fake_sage_t", "sage", fq.SAGE_LEVELS, tolerance=0.02)
+    envelope.register(strict_sage.envelope)
+    rt = Runtime("test", None, None, None, None, None, "test", None, None, None)
+    kitchen = [kk for kk in registry.installed_kernels(rt) if kk.family == fq.KITCHEN]
+    att = SafeAttention(Policy(kernel="sage", quality="balanced"), rt=rt, kernels=[strict_sage.kernel()] + kitchen)
+    sample(att, data, 2)
+    ch = choices()
+    assert min(ch[b]["planned_error"] for b in drifting) > 0.02 > max(ch[b]["planned_error"] for b in range(3)), ch
+    assert sorted(b for b, c in ch.items() if c["moved"]) == list(drifting), ch
+    assert all(ch[b]["family"] == fq.KITCHEN and ch[b]["target"] == 0.02 for b in drifting), ch

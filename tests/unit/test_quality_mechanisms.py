@@ -157,6 +157,7 @@ def fake_sage_out(fq, q, k, v):
 
 # ------------------------------------------------------------------------------------------------ 1. medians
 ORDER = ["sage_x", "ck_y"]
+NO_CEILING = {"sage_x": float("inf"), "ck_y": float("inf")}   # the relative rule alone (the ceiling: test_quality_targets)
 
 
 def test_medians_are_per_class_of_call_not_pooled_across_classes():
@@ -166,13 +167,13 @@ def test_medians_are_per_class_of_call_not_pooled_across_classes():
     a = [BlockErrors(i, "A", "sage_x", 0.010, {"ck_y": 0.001}) for i in range(4)]
     a.append(BlockErrors(4, "A", "sage_x", 0.060, {"ck_y": 0.001}))
     b = [BlockErrors(i, "B", "sage_x", 0.040, {"ck_y": 0.001}) for i in range(10)]
-    ch = decide(a + b, "balanced", ORDER)
+    ch = decide(a + b, "balanced", ORDER, NO_CEILING)
     assert [(c.klass, c.block) for c in ch if c.moved] == [("A", 4)]
     for c in ch:
         assert c.target == pytest.approx(BALANCED_FACTOR * (0.010 if c.klass == "A" else 0.040)), c
     # the other way round: 3 blocks of B at 0.040 among 9 of A at 0.010 -- none of B moves
     a9 = [BlockErrors(i, "A", "sage_x", 0.010, {"ck_y": 0.001}) for i in range(9)]
-    ch = decide(a9 + b[:3], "balanced", ORDER)
+    ch = decide(a9 + b[:3], "balanced", ORDER, NO_CEILING)
     assert not [c for c in ch if c.moved], [(c.klass, c.block, c.target) for c in ch]
 
 
@@ -183,7 +184,7 @@ def test_medians_are_per_planned_family_not_pooled_across_families():
     ms = [BlockErrors(i, "A", "sage_x", 0.010, {"ck_y": 0.001}) for i in range(4)]
     ms.append(BlockErrors(4, "A", "sage_x", 0.060, {"ck_y": 0.001}))
     ms += [BlockErrors(10 + i, "A", "ck_y", 0.040, {"sage_x": 0.001}) for i in range(10)]
-    ch = decide(ms, "balanced", ORDER)
+    ch = decide(ms, "balanced", ORDER, NO_CEILING)
     assert [(c.planned, c.block, c.family) for c in ch if c.moved] == [("sage_x", 4, "ck_y")]
     for c in ch:
         assert c.target == pytest.approx(BALANCED_FACTOR * (0.010 if c.planned == "sage_x" else 0.040)), c

@@ -123,3 +123,55 @@ def test_balanced_factor_sits_between_the_committed_measurements(name):
         for b in outliers:
             assert b["moved"] and not b["family"].startswith("sage"), (where, b)
             assert b["error"] <= b["target"], (where, b)
+
+
+# ---------------------------------------------------------------------------- the family's ceiling
+def test_a_majority_of_drifting_blocks_moves_over_the_family_ceiling():
+    """Issue #37's case: 20 blocks at 0.003 and 30 at 0.40 -- the median is the drift (target 1.76 by
+    the relative rule alone: nothing moved). The planned family's ceiling (its fault tolerance, 0.05 for
+    sage 1) moves every drifting block and keeps every benign one."""
+    ms = [blk(i, 0.003, ck_y=0.002) for i in range(20)] + [blk(20 + i, 0.40, ck_y=0.004) for i in range(30)]
+    ch = by_block(decide(ms, "balanced", ORDER, {"sage_x": 0.05}))
+    assert sorted(b for b, c in ch.items() if c.moved) == list(range(20, 50))
+    assert all(ch[b].family == "ck_y" and ch[b].target == 0.05 for b in range(20, 50))
+    assert not any(ch[b].moved for b in range(20))
+
+
+def test_without_ceilings_the_default_fault_tolerance_caps_the_target():
+    from safe_ops.families.family import DEFAULT_TOLERANCE
+    from safe_ops.quality.targets import DEFAULT_CEILING
+    assert DEFAULT_CEILING == DEFAULT_TOLERANCE
+    ms = [blk(i, 0.003) for i in range(20)] + [blk(20 + i, 0.40, ck_y=0.004) for i in range(30)]
+    ch = by_block(decide(ms, "balanced", ORDER))
+    assert sorted(b for b, c in ch.items() if c.moved) == list(range(20, 50))
+    assert {ch[b].target for b in range(50)} == {DEFAULT_CEILING}
+
+
+def test_the_ceiling_never_raises_a_target_and_strict_keeps_its_bound():
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.043, ck_y=0.001)]
+    relative = by_block(decide(ms, "balanced", ORDER, {"sage_x": 0.5}))
+    assert relative[4].target == pytest.approx(BALANCED_FACTOR * 0.010) and not relative[4].moved
+    capped = by_block(decide(ms, "balanced", ORDER, {"sage_x": 0.04}))
+    assert capped[4].target == 0.04 and capped[4].moved and capped[4].family == "ck_y"
+    strict = by_block(decide(ms, "strict", ORDER, {"sage_x": 0.5}))
+    assert strict[4].target == STRICT_ERROR
+
+
+@pytest.mark.parametrize("seed_majority", [0, 1, 2])
+def test_sage106_drift_moves_when_it_is_the_majority(seed_majority):
+    """Checked on a profile the ceiling was not fitted to: the committed sage 1.0.6 guard run's own per-block
+    errors (bench/results/quality_guard_sage106_h200.json), its 10 drifting blocks repeated to outnumber
+    its 40 benign ones 3:2 (the relative rule's median is then a drifting block's). With sage 1's tolerance
+    as the ceiling every drifting block moves and no benign one does."""
+    from safe_ops.families.sage1 import KERNEL_FAMILY as SAGE1_TRITON_FAMILY
+    data = json.loads((REPO / "bench" / "results" / "quality_guard_sage106_h200.json").read_text())
+    run = [r for r in data["runs"] if r["sage_family"] == "sage1_triton"][seed_majority]
+    benign = [b["sage_error"] for b in run["blocks"] if b["outlier_factor"] == 1]
+    drift = [b["sage_error"] for b in run["blocks"] if b["outlier_factor"] > 1]
+    ms = [blk(i, e, ck_y=0.01) for i, e in enumerate(benign)]
+    ms += [blk(len(ms) + i, e, ck_y=0.01) for i, e in enumerate(drift * 6)]
+    assert statistics.median(m.error for m in ms) > SAGE1_TRITON_FAMILY.tolerance
+    plain = decide(ms, "balanced", ORDER, {"sage_x": float("inf")})
+    assert not any(c.moved for c in plain)                      # the relative rule alone: nothing moves
+    ch = decide(ms, "balanced", ORDER, {"sage_x": SAGE1_TRITON_FAMILY.tolerance})
+    assert [c.moved for c in ch] == [False] * len(benign) + [True] * (6 * len(drift))
