@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--families", default="sage1_triton")
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--quality", default="balanced")
+    ap.add_argument("--emulate-arch", default=None, metavar="smNNN",
+                    help="SafeSage's runtime as on that arch (benchutil.emulated_runtime), e.g. sm120 for sage2_fp8pv_perwarp")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (SAFESAGE_EXTRA_FAMILIES=fake_quality_families)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -63,6 +65,9 @@ def main() -> None:
     dev = torch.device(a.device)
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     rt = runtime()
+    if a.emulate_arch:
+        from bench.benchutil import emulated_runtime
+        rt = emulated_runtime(a.emulate_arch, real=rt)
     comfy_fn, comfy_label = attention()            # ComfyUI's wrap_attn-wrapped attention_pytorch
     ck = kernel_of(rt.ck_family)
     factors = outlier_factors(a.blocks, a.outliers_from, [int(f) for f in a.factors.split(",")])
@@ -70,7 +75,7 @@ def main() -> None:
     stack = Stack(0, a.blocks, factors, dev, dt)
     x0 = torch.randn(1, a.tokens, HEADS * 128, generator=torch.Generator().manual_seed(100)).to(dev, dt)
     result = {**env_info("gpu_quality_compiled"), "tokens": a.tokens, "blocks": a.blocks, "outlier_factors": factors,
-              "backend": a.backend, "quality": a.quality, "comfy_function": comfy_label,
+              "backend": a.backend, "quality": a.quality, "emulated_arch": a.emulate_arch, "comfy_function": comfy_label,
               "emulated_order": EMULATED_ORDER, "ck_family": ck.family if ck else None, "families": {}}
 
     def attend_with(att):
