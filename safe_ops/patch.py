@@ -24,6 +24,7 @@ from .attention.comfy_functions import function_name, unguarded_kind
 from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .attention.kernel_choice import explain_auto
+from .attention.move_order import describe as describe_moves
 from .facts.devices import runtime
 from .families.registry import family_kind, installed_kernels
 from .ui.status import process_lines
@@ -136,11 +137,13 @@ def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
     if policy.quality == "faults only":
         head = "quality: faults only (no per-block error measurement)"
     else:
-        order = attn.quality_order(None)
-        head = (f"quality: {policy.quality}: each block's attention error is measured at step 1 against ComfyUI's "
-                f"own attention; a block over its target moves to "
-                + (" > ".join(order[1:] + ["ComfyUI's own attention"]) if len(order) > 1 else "ComfyUI's own attention")
-                + " from step 2 (per block: /safesage/stats, quality_last_run)")
+        order = attn.quality_order(None)          # move_order.move_order: the one rule, also Preflight's
+        if order:
+            head = (f"quality: {policy.quality}: each block's attention error is measured at step 1 against "
+                    f"ComfyUI's own attention; a block over its target {describe_moves(order)} from step 2 "
+                    "(per block: /safesage/stats, quality_last_run)")
+        else:
+            head = f"quality: {policy.quality}: {describe_moves(order)}"
         head += f"; blocks told apart by {'the H3 block index' if blocks else 'block_index, else call order'}"
     if policy.probe_step:
         head += f"; also measured (report only) at step {policy.probe_step}"
@@ -224,7 +227,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     # ComfyUI's own choice (--use-sage-attention / --use-ck-attention) read from its flags
     cand = attn.candidates(None)
     lines.append(f"kernel policy '{policy.kernel}': preference {' > '.join(cand)}")
-    lines.append(explain_auto(rt, [f for f in attn.kernels if f != "sdpa"], None, policy.kernel))
+    lines.append(explain_auto(rt, attn.planning_families(), None, policy.kernel))
     if rt.sage_family is None and policy.kernel == "auto":
         lines.append(f"SageAttention not used: {rt.sage_error}"
                      + ("; attention runs ComfyUI's own function" if cand[0] == "sdpa" else ""))

@@ -70,6 +70,20 @@ def auto_order(arch_name: str, families: list[str], comfy_choice: str | None,
                                  "(start ComfyUI with --use-sage-attention or --use-ck-attention to prefer those)")
 
 
+def policy_order(kernel_policy: str, arch_name: str, families: list[str], comfy_choice: str | None,
+                 gpu_name: str | None = None) -> list[str]:
+    """A policy's planning preference over ``families`` (the planning families here, non-SDPA) plus
+    "sdpa": ``sdpa`` -> ComfyUI's own only; ``sage`` -> the families as listed, then SDPA; ``auto`` ->
+    :func:`auto_order` (``comfy_choice``: what ComfyUI was started with). What PlanChoice.candidates
+    answers for a call ComfyUI hands no function of a layer's own, and what the quality guard's move order
+    starts from (move_order.runtime_move_order)."""
+    if kernel_policy == "sdpa":
+        return ["sdpa"]
+    if kernel_policy == "sage":
+        return list(families) + ["sdpa"]
+    return auto_order(arch_name, list(families), comfy_choice, gpu_name)[0]
+
+
 def explain_auto(rt: Runtime, families: list[str], comfy_choice: str | None = None,
                  kernel_policy: str = "auto") -> str:
     """One plain-language line for the node's status: which kernel ``auto`` prefers and why.

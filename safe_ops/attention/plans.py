@@ -22,7 +22,8 @@ from ..ui import run_stats
 from .call_forms import Normalised, describe_tensor, dtype_name
 from .comfy_functions import unguarded_kind
 from .errors import is_cuda_error, is_oom
-from .kernel_choice import auto_order, comfy_attention_choice, pricing_tflops
+from .kernel_choice import comfy_attention_choice, policy_order, pricing_tflops
+from .move_order import move_order
 from .planner import Plan, choose
 from .verification import class_key
 
@@ -66,7 +67,7 @@ class PlanChoice:
         handed to the override (sage, comfy-kitchen or neither), else ComfyUI's flags when
         ``func`` is None (kernel_choice.comfy_attention_choice).
         """
-        sage = [f for f in self.kernels if f != "sdpa"]
+        sage = self.planning_families()
         if self.policy.kernel == "sdpa":
             return ["sdpa"]
         if func is not None and id(func) in self._layer_fn_ids:
@@ -74,7 +75,7 @@ class PlanChoice:
             kind = unguarded_kind(func)
             return [f for f in sage if family_kind(f) == kind] + ["sdpa"]
         if self.policy.kernel == "sage":
-            return sage + ["sdpa"]
+            return policy_order("sage", self.rt.arch_name, sage, None)
         # Measured GPU: by measurement; unmeasured: what ComfyUI was configured to run.
         if comfy_wants_sage is not None:
             choice = "sage" if comfy_wants_sage else None
@@ -84,7 +85,12 @@ class PlanChoice:
             choice = unguarded_kind(func)
         else:
             choice = comfy_attention_choice()
-        return auto_order(self.rt.arch_name, sage, choice, self.rt.device_name)[0]
+        return policy_order("auto", self.rt.arch_name, sage, choice, self.rt.device_name)
+
+    def planning_families(self) -> list[str]:
+        """The kernel families a plan may use here (installed, non-SDPA), in ``kernel=sage`` order:
+        every kernel but the quality guard's move-only ones (registry.move_only_kernels)."""
+        return [f for f, k in self.kernels.items() if f != "sdpa" and not getattr(k, "move_only", False)]
 
     def _budget(self, device: torch.device) -> int | None:
         """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit):
@@ -186,10 +192,14 @@ class PlanChoice:
 
     # ------------------------------------------------------------------ the quality guard's families
     def quality_order(self, func: Callable | None) -> list[str]:
-        """The families a block over its quality target may move to, fastest first: the
-        candidates ahead of ComfyUI's own attention in this policy's order (quality/targets.py)."""
+        """The family this policy plans for ``func``'s calls, then the families a block over its quality
+        target may move to, fastest first on this GPU ([] where ComfyUI's own attention is planned):
+        move_order.move_order, the one rule the node's status and Preflight word too. A target may be
+        a move-only kernel (never a candidate, :meth:`candidates`); ComfyUI's own is the last resort
+        after the list (quality/targets.py)."""
         cand = [f for f in self.candidates(func) if f in self.kernels]
-        return cand[:cand.index("sdpa")] if "sdpa" in cand else cand
+        return move_order(cand[0] if cand else None, list(self.kernels), self.rt.arch_name,
+                          self.rt.device_name, self.policy.kernel)
 
     def probe_budget(self, device: torch.device) -> int | None:
         """Bytes the quality guard's measurement may use on ``device`` (the plans' budget)."""

@@ -260,7 +260,8 @@ def _family(env: Envelope) -> KernelFamily:
     # detected where the runtime's comfy-kitchen version has this envelope (facts.devices: ck_family_for);
     # both versions' envelopes time the same kernel: one kernel_table.json entry (ck_int8)
     return KernelFamily(env, kind="ck", tolerance=DEFAULT_TOLERANCE,    # no family-specific number measured
-                        call=_call, function="comfy_kitchen.int8_attention", table_name="ck_int8")
+                        call=_call, function="comfy_kitchen.int8_attention", table_name="ck_int8",
+                        drift_rank=0)    # channels rotated before int8: flat under outliers (move_order.DRIFT_RANKS)
 
 
 KERNEL_FAMILIES = (_family(CK_INT8), _family(CK_INT8_PRE236))

@@ -8,7 +8,8 @@ supports, one dispatcher): here every family lives in one module of this package
 * its **adapter** (``call``: how it is called through the installed package, ``(fn, fn_lse)``, and
   the ``function``/``arguments`` that names);
 * its **accuracy facts** (``tolerance``: relative L2 vs float32 on in-envelope inputs, what the
-  first-call verification compares with);
+  first-call verification compares with; ``drift_rank``: how far its error rises on H3's late-block
+  outlier channels, which the quality guard's move order reads -- attention.move_order);
 * the **arches** whose build carries its kernels (``runs_on``), how a runtime **detects** it, the
   **kind** of kernel ComfyUI's own flags would name (``sage``, ``ck``, ``sdpa``, or its own), and its
   **kernel-table entry** (``table_name``: families that run one kernel share one measurement).
@@ -53,6 +54,9 @@ class Kernel:
     fn: KernelFn
     tolerance: float = DEFAULT_TOLERANCE
     fn_lse: KernelLseFn | None = None
+    #: a quality-guard move target only, never a planning candidate (registry.installed_kernels: sage's
+    #: own fp16-PV kernel where the arch's dispatch family is fp8 PV; attention.move_order)
+    move_only: bool = False
 
     def __post_init__(self):
         if self.fn_lse is None and self.envelope.returns_lse:
@@ -79,6 +83,11 @@ class KernelFamily:
     runs_on: tuple[tuple[int, int], ...] = ()    # arches whose build carries it, callable directly
     detect: Callable[["Runtime"], bool] = field(default=None)    # this runtime runs it (see detected)
     table_name: str = ""                         # its kernel_table.json entry (default: its name)
+    #: how far its error rises on H3's late-block outlier channels (HAZARDS.md H-9), 0 = least; the quality
+    #: guard moves a block only to a family of a lower rank than the one it planned (attention.move_order:
+    #: DRIFT_RANKS says what each rank is and what measured it). None: not known -- an extra family, always
+    #: measured as a move target, and every family is one for it.
+    drift_rank: int | None = None
 
     @property
     def name(self) -> str:

@@ -5,7 +5,8 @@ Every shipped family module defines ``KERNEL_FAMILY`` (or ``KERNEL_FAMILIES``): 
 This module lists them (:data:`SHIPPED`), registers their envelopes (``envelope.FAMILIES``) and
 answers the questions the rest of the pack asks of a family by name: :func:`family`,
 :func:`kernel_of`, :func:`installed_kernels` (what a runtime can run, in ``kernel=sage`` preference
-order), :func:`family_kind`, :func:`table_aliases`.
+order, and the quality guard's move-only kernels: :func:`move_only_kernels`), :func:`family_kind`,
+:func:`table_aliases`.
 
 **Extra families** (tests, the quality guard's fake families, a family under development): the
 environment variable ``SAFESAGE_EXTRA_FAMILIES=module.path[,module.path]`` names modules whose
@@ -112,7 +113,8 @@ def installed_kernels(rt) -> list[Kernel]:
     this arch *that kernel_table.json measured on it* (only verified families are written
     there; an unmeasured family could shadow the dispatch family's evidence-based rules, e.g.
     per_warp FP8-PV on sm_120 without #388's length rule), fastest first; then comfy-kitchen;
-    then every family with a ``detect`` of its own that detects this runtime (extra families)."""
+    then every family with a ``detect`` of its own that detects this runtime (extra families);
+    last, :func:`move_only_kernels` (quality-guard move targets, never planning candidates)."""
     first = sage_kernel(rt)
     out = [first]
     if (first is not None and first.family != SAGE1 and rt.arch is not None
@@ -127,7 +129,32 @@ def installed_kernels(rt) -> list[Kernel]:
     for f in _FAMILIES.values():
         if f.detect is not None and f.name not in taken and f.detected(rt):
             out.append(f.kernel())
-    return [kk for kk in out if kk is not None]
+    out = [kk for kk in out if kk is not None]
+    return out + move_only_kernels(rt, {kk.family for kk in out})
+
+
+def move_only_kernels(rt, taken=frozenset()) -> list[Kernel]:
+    """sage 2.2's kernels that drift less than the one ``sageattn`` dispatches to here (a lower
+    ``drift_rank``: its int8-QK + fp16-PV ``sage2_sm80`` where the dispatch family is fp8 PV on
+    sm_89 / sm_90 / sm_120, or per-block on sm_86) and that this build runs on this arch
+    (``runs_on``), not already in ``taken``: each a :class:`Kernel` with ``move_only`` set -- a
+    block the quality guard moves may run it (attention.move_order), the planner never offers it
+    (PlanChoice.candidates), so planning is what it was without them. It shadows no rule of the
+    dispatch family: a block runs it only after step 1 measured it under target on that block's own
+    inputs, inside its own envelope, with its own first-call check. Empty without sage 2.2 or a GPU."""
+    first = family(rt.sage_family)
+    if first is None or first.name == SAGE1 or first.drift_rank is None or rt.arch is None:
+        return []
+    out = []
+    for f in _FAMILIES.values():
+        if (f.name not in taken and f.name != first.name and f.kind == "sage" and f.detect is None
+                and f.function.startswith("sageattention.sageattn_qk_int8") and f.runs_here(rt.arch)
+                and f.drift_rank is not None and f.drift_rank < first.drift_rank):
+            kern = f.kernel()
+            if kern is not None:
+                kern.move_only = True
+                out.append(kern)
+    return out
 
 
 def family_kind(name: str) -> str:

@@ -29,4 +29,5 @@ KERNEL_FAMILY = sage2_family(
     SAGE2_FP8PV_PERWARP, "sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_warp", "pv_accum_dtype": "fp32+fp16"},
     runs_on=((8, 9), (9, 0), (12, 0)),
     tolerance=0.12,     # fp8 PV (HAZARDS.md H-1)
+    drift_rank=2,       # int8 QK + fp8 PV (attention.move_order.DRIFT_RANKS)
 )

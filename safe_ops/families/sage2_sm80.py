@@ -33,4 +33,5 @@ KERNEL_FAMILY = sage2_family(
     SAGE2_SM80, "sageattn_qk_int8_pv_fp16_cuda", {"qk_quant_gran": "per_thread", "pv_accum_dtype": "fp32"},
     runs_on=((8, 0), (8, 6), (8, 9), (9, 0), (12, 0)),
     tolerance=0.05,     # fp16 PV: same int8 QK error as sage 1
+    drift_rank=1,       # per-thread int8 QK + fp16 PV (attention.move_order.DRIFT_RANKS)
 )

@@ -35,4 +35,5 @@ KERNEL_FAMILY = sage2_family(
     SAGE2_SM86_TRITON, "sageattn_qk_int8_pv_fp16_triton", {"quantization_backend": "triton"},
     runs_on=((8, 0), (8, 6), (8, 9), (9, 0)),
     tolerance=0.05,     # fp16 PV, Triton
+    drift_rank=3,       # per-block int8 QK (sage 1's quantiser design) + fp16 PV (move_order.DRIFT_RANKS)
 )

@@ -30,4 +30,5 @@ KERNEL_FAMILY = sage2_family(
     SAGE2_SM89_FP8PV, "sageattn_qk_int8_pv_fp8_cuda", {"qk_quant_gran": "per_thread", "pv_accum_dtype": "fp32+fp16"},
     runs_on=((8, 9), (9, 0), (12, 0)),
     tolerance=0.12,     # fp8 PV: measured ~0.039-0.046 (HAZARDS.md H-1)
+    drift_rank=2,       # int8 QK + fp8 PV (attention.move_order.DRIFT_RANKS)
 )

@@ -51,4 +51,5 @@ KERNEL_FAMILY = sage2_family(
     SAGE2_SM90, "sageattn_qk_int8_pv_fp8_cuda_sm90", {"qk_quant_gran": "per_thread", "pv_accum_dtype": "fp32+fp32"},
     runs_on=((9, 0),),
     tolerance=0.12,     # fp8 PV (HAZARDS.md H-1, H-6)
+    drift_rank=2,       # int8 QK + fp8 PV (attention.move_order.DRIFT_RANKS)
 )

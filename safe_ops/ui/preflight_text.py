@@ -131,18 +131,26 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
     (arguments as ``preflight.assess``; ``model_note``: a line on the connected model)."""
     a = assess(width, height, length, ref_images, text_tokens, policy, rt, free_bytes, comfy_wants_sage)
     lines, warnings = report_lines(a, model_note)
-    lines += quality_lines(policy, rt)
+    lines += quality_lines(policy, a.rt, comfy_wants_sage)
     return {"text": "\n".join(lines), "tokens": a.tokens, "warnings": warnings, "verdicts": a.verdicts}
 
 
-def quality_lines(policy, rt=None) -> list[str]:
-    """What the quality guard (``quality`` on SafeSage Attention) can move a block to on this machine."""
+def quality_lines(policy, rt=None, comfy_wants_sage: bool | None = None) -> list[str]:
+    """Where the quality guard (``quality`` on SafeSage Attention) moves a block over its target on this
+    machine: move_order.runtime_move_order, the rule the node itself measures and moves by
+    (``comfy_wants_sage``: as ``preflight.assess``; default ComfyUI's own flags, --use-ck-attention included)."""
+    from ..attention.kernel_choice import comfy_attention_choice
+    from ..attention.move_order import describe, runtime_move_order
     from ..facts.devices import runtime
-    q = getattr(policy, "quality", "balanced") if policy is not None else "balanced"
+    from ..policy import Policy
+    policy = policy or Policy()
+    q = policy.quality
     if q == "faults only":
         return ["quality guard: faults only (no per-block error measurement)"]
     rt = rt or runtime()
-    fams = [f for f in (rt.sage_family, rt.ck_family) if f]       # what sageattn / comfy-kitchen run here
-    have = ", ".join(fams) if fams else "no SageAttention or comfy-kitchen kernel usable here"
-    return [f"quality guard ({q}): kernels here a block over its target can move to: "
-            f"{have}; then ComfyUI's own attention (always under the target: it is the reference)"]
+    choice = comfy_attention_choice() if comfy_wants_sage is None else ("sage" if comfy_wants_sage else None)
+    order = runtime_move_order(policy.kernel, rt, choice)
+    if not order:
+        return [f"quality guard ({q}): {describe(order)}"]
+    return [f"quality guard ({q}): blocks run {order[0]}; a block over its target {describe(order)} "
+            "(the first of these under its target, measured at step 1; ComfyUI's own attention is the reference)"]

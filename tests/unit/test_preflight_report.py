@@ -221,10 +221,19 @@ def test_comfy_kitchen_attention_in_the_report():
     assert "[comfy-kitchen int8_attention] not usable here: comfy-kitchen 0.2.26 has no int8_attention" in n["text"]
 
 
-def test_preflight_lists_the_quality_guards_candidates_here():
-    text = preflight_report(1664, 960, 362, ref_images=3, rt=H200_SAGE22, comfy_wants_sage=True)["text"]
+def test_preflight_lists_the_quality_guards_candidates_here(monkeypatch):
+    """Preflight words the move order the node measures and moves by (move_order.runtime_move_order, not
+    the installed families): on the H200 ``auto`` plans ComfyUI's own attention -- nothing moves; an RTX
+    5090 with sage 2.2 + comfy-kitchen 0.2.40: tests/unit/test_quality_order.py."""
+    import emulated_gpus as E
+    E.install_packages(monkeypatch)
+    rt = E.runtime(E.H200)
+    text = preflight_report(1664, 960, 362, ref_images=3, rt=rt, comfy_wants_sage=True)["text"]
     line = next(ln for ln in text.splitlines() if ln.startswith("quality guard (balanced)"))
-    fams = [f for f in (H200_SAGE22.sage_family, H200_SAGE22.ck_family) if f]
-    assert fams and ", ".join(fams) in line and line.endswith("it is the reference)")
+    assert line == "quality guard (balanced): nothing to measure or move: ComfyUI's own attention is the plan here"
+    sage = preflight_report(1664, 960, 362, ref_images=3, rt=rt, comfy_wants_sage=True, policy=Policy(kernel="sage"))
+    line = next(ln for ln in sage["text"].splitlines() if ln.startswith("quality guard (balanced)"))
+    assert line.startswith("quality guard (balanced): blocks run sage2_sm90; a block over its target moves to "
+                           "ck_int8, else sage2_sm80, else ComfyUI's own attention"), line
     off = preflight_report(1664, 960, 362, rt=H200_SAGE22, policy=Policy(quality="faults only"))["text"]
     assert "quality guard: faults only" in off and "quality guard (" not in off
