@@ -1,8 +1,8 @@
 """SafeSageAttention: the node. Thin on purpose: schema and tooltips here, all logic in safe_ops.
 
 Uses only the V3 API surface that ComfyUI 0.3.75 and 0dd9b154 (0.30.x) both have:
-io.ComfyNode / io.Schema / io.Model / io.Combo / io.Int / io.Boolean / io.NodeOutput and
-ui.PreviewText.
+io.ComfyNode / io.Schema / io.Model / io.Combo / io.Int / io.Boolean / io.NodeOutput,
+ui.PreviewText, and ComfyNode.validate_inputs (returning True or the error message).
 """
 from __future__ import annotations
 
@@ -115,6 +115,22 @@ class SafeSageAttention(io.ComfyNode):
             ],
             outputs=[io.Model.Output()],
         )
+
+    @classmethod
+    def validate_inputs(cls, kernel, mlp_chunking, verify, quality="balanced"):
+        """Refuse an unknown combo value at /prompt, before anything is queued (HTTP 400,
+        prompt_outputs_failed_validation): ComfyUI 0.3.75's validator does not check V3 io.Combo
+        values, so without this a bad value would fail only when the node runs. It takes the combo
+        inputs only, never **kwargs: ComfyUI skips its own checks for every input this function
+        takes (the INT ranges of the others stay ComfyUI's). ComfyUI files the returned string under
+        each input named here. A linked input arrives as None (its value is not known yet): the
+        node's Policy checks it when it runs."""
+        problems = []
+        for name, value, allowed in (("kernel", kernel, KERNELS), ("mlp_chunking", mlp_chunking, MLP_CHUNKING),
+                                     ("verify", verify, VERIFY), ("quality", quality, QUALITY)):
+            if value is not None and value not in allowed:
+                problems.append("%s: %r is not one of %s" % (name, value, ", ".join(repr(a) for a in allowed)))
+        return "; ".join(problems) if problems else True
 
     @classmethod
     def execute(cls, *, model, kernel, mlp_chunking, mlp_chunk_tokens, verify, debug_sync, quality="balanced",

@@ -6,6 +6,8 @@ import json
 import os
 import re
 
+import pytest
+
 from tools.harness.comfy_graphs import sd2_graph
 from tools.harness.comfy_server import PACK_DIR_NAME, execution_error
 
@@ -83,26 +85,75 @@ def test_bad_node_input_is_rejected_with_node_errors(comfy, tiny_sd2, seed_count
     assert comfy.alive()
 
 
-def test_bad_combo_value_gives_one_clear_error_under_its_input(comfy, tiny_sd2, seed_counter):
-    """An unknown kernel (a hand-edited or newer workflow) is refused with one error, under the
-    input that is wrong: at validation by ComfyUI's own combo check where it checks V3 combos
-    (0dd9b154 and later), else when the node runs (0.3.75: execution_error on the node), with a
-    message naming the input and the bad value. Never silently sampled with some default."""
-    pid = comfy.post_prompt(sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "bad_kernel",
-                                      safesage={"kernel": "flash-turbo"}))
-    if isinstance(pid, dict):
-        assert pid["node_errors"]["10"]["class_type"] == "SafeSageAttention", pid
-        errs = pid["node_errors"]["10"]["errors"]
-        assert len(errs) == 1 and errs[0]["extra_info"]["input_name"] == "kernel", errs
-        text = _errors_text(errs) + " " + json.dumps(errs[0]["extra_info"].get("received_value"))
-    else:
-        entry = comfy.wait_history(pid)
-        assert entry["status"]["status_str"] == "error", "kernel='flash-turbo' ran without an error"
-        err = execution_error(entry)
-        assert err["node_type"] == "SafeSageAttention", err
-        text = err["exception_message"]
-    assert "kernel" in text and "flash-turbo" in text, text
+#: the inputs SafeSageAttention.validate_inputs takes (its combos): ComfyUI skips its own checks of these
+#: and files the function's message under each of them that the prompt carries
+VALIDATED = ("kernel", "mlp_chunking", "verify", "quality")
+
+
+def _refused_at_validation(comfy, graph, bad_input, bad_value):
+    """The body of the HTTP 400 for a graph whose SafeSageAttention (id 10) has one bad combo value,
+    checked: refused before anything is queued, one error under each validated input the graph
+    carries, each naming the bad input, its value and every allowed value (read from /object_info);
+    the server alive. Returns the errors."""
+    res = comfy.post_prompt(graph)
+    assert isinstance(res, dict), "%s=%r was queued (prompt id %r), not refused at validation" % (
+        bad_input, bad_value, res)
+    assert res["error"]["type"] == "prompt_outputs_failed_validation", res
+    assert list(res["node_errors"]) == ["10"], res["node_errors"]
+    assert res["node_errors"]["10"]["class_type"] == "SafeSageAttention", res
+    errs = res["node_errors"]["10"]["errors"]
+    carried = [n for n in VALIDATED if n in graph["10"]["inputs"]]
+    assert sorted(e["extra_info"]["input_name"] for e in errs) == sorted(carried), errs
+    spec = comfy.object_info("SafeSageAttention")["SafeSageAttention"]["input"]
+    allowed = _combo_options({**spec["required"], **spec.get("optional", {})}[bad_input])
+    for e in errs:
+        assert e["type"] == "custom_validation_failed", e
+        text = _errors_text([e])
+        assert bad_input in text and repr(bad_value) in text, text
+        assert all(repr(a) in text for a in allowed), (allowed, text)
     assert comfy.alive()
+    return errs
+
+
+def test_bad_combo_value_gives_one_clear_error_under_its_input(comfy, tiny_sd2, seed_counter):
+    """An unknown kernel (a hand-edited or newer workflow) is refused at validation on every
+    supported ComfyUI (validate_inputs: 0.3.75 does not check V3 combo values itself), never run,
+    never silently sampled with some default. ComfyUI files the node's one message under each input
+    validate_inputs takes that the prompt carries (kernel, mlp_chunking, verify; no quality here:
+    a workflow saved before that input existed), and that message names the input, the bad value
+    and the allowed ones."""
+    graph = sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "bad_kernel",
+                      safesage={"kernel": "flash-turbo"})
+    assert "quality" not in graph["10"]["inputs"]
+    errs = _refused_at_validation(comfy, graph, "kernel", "flash-turbo")
+    assert len({e["details"].split(" - ", 1)[1] for e in errs}) == 1, errs  # one message, filed 3 times
+    assert "mlp_chunking:" not in errs[0]["details"] and "verify:" not in errs[0]["details"], errs
+
+
+@pytest.mark.parametrize("bad_input", VALIDATED)
+def test_bad_value_refused_at_validation_names_input_value_and_options(comfy, tiny_sd2, seed_counter, bad_input):
+    """Each combo input, a bad value with every optional input present: HTTP 400 before the run."""
+    graph = sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "bad_" + bad_input,
+                      safesage={"quality": "balanced", bad_input: "no-such-" + bad_input})
+    _refused_at_validation(comfy, graph, bad_input, "no-such-" + bad_input)
+
+
+def test_bad_value_refused_at_validation_other_inputs_keep_comfys_checks(comfy, tiny_sd2, seed_counter):
+    """validate_inputs takes only the combos (no **kwargs): ComfyUI still range-checks the INT inputs,
+    also in a prompt that validate_inputs refuses too."""
+    graph = sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "bad_two",
+                      safesage={"quality": "balanced", "verify": "sometimes", "exact_steps": -1})
+    res = comfy.post_prompt(graph)
+    assert isinstance(res, dict), res
+    errs = res["node_errors"]["10"]["errors"]
+    by_input = {}
+    for e in errs:
+        by_input.setdefault(e["extra_info"]["input_name"], []).append(e["type"])
+    assert by_input.pop("exact_steps") == ["value_smaller_than_min"], errs
+    assert by_input == {n: ["custom_validation_failed"] for n in VALIDATED}, errs
+    # and a good prompt right after runs
+    comfy.run(sd2_graph(os.path.basename(tiny_sd2["path"]), seed_counter(), "after_refused",
+                        safesage={"quality": "faults only"}))
 
 
 def test_runtime_error_is_reported_and_server_survives(comfy, tiny_sd2, seed_counter):
