@@ -35,7 +35,9 @@ def _table(paths):
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.repro", description=DOC.split("\n\n")[0],
-                                 epilog="Arms: " + "; ".join(f"{k}: {v}" for k, v in arms.ARM_LABEL.items()))
+                                 epilog="Also: python -m bench.repro --table [RESULT_JSON ...]; python -m bench.repro enrich "
+                                        "RESULT_JSON LOGDIR (each with --help). Arms: "
+                                        + "; ".join(f"{k}: {v}" for k, v in arms.ARM_LABEL.items()))
     sub = ap.add_subparsers(dest="mode", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--comfy", required=True, help="ComfyUI 0dd9b154 tree (its main.py is run)")
@@ -85,13 +87,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+#: the two modes outside the argparse tree (their arguments are plain files)
+ENRICH_USAGE = ("usage: python -m bench.repro enrich RESULT_JSON LOGDIR\n\n"
+                "Re-read a run's server logs (LOGDIR/<size>_<arm>.log) into its JSON (key_lines, python_stack_at_abort).")
+TABLE_USAGE = ("usage: python -m bench.repro --table [RESULT_JSON ...]\n\n"
+               "Print one table per JSON (default bench/results/repro_h200.json), each judged against the "
+               "in-limit run of any JSON given with it (docs/REPRODUCTION.md's tables).")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "enrich":
-        return _enrich(argv[1], argv[2])
-    if argv and argv[0] == "--table":
-        print(_table(argv[1:]))
-        return
+    for mode, usage, nargs_ok in (("enrich", ENRICH_USAGE, lambda n: n == 2), ("--table", TABLE_USAGE, lambda n: True)):
+        if argv and argv[0] == mode:
+            if "-h" in argv[1:] or "--help" in argv[1:]:
+                print(usage)
+                return 0
+            if not nargs_ok(len(argv) - 1):
+                sys.exit(usage)
+            if mode == "enrich":
+                return _enrich(argv[1], argv[2])
+            print(_table(argv[1:]))
+            return 0
     a = parser().parse_args(argv)
     if a.mode == "all":
         driver.driver(a, argv)
