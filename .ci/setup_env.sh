@@ -120,9 +120,15 @@ fi
     || die "$base_python must be Python >= 3.10"
 mkdir -p "$cache_root"
 
-# One builder at a time (two CI runs or a developer + CI sharing the cache).
+# One builder at a time (two CI runs or a developer + CI sharing the cache). The lock is held only while
+# this script builds or checks the cache (seconds when warm, a few minutes cold), never during the tests.
 exec 9>"$cache_root/.lock"
-flock 9
+if ! flock -n 9; then
+    log "waiting for the cache lock $cache_root/.lock: another run is building or checking this cache"
+    t_lock=$SECONDS
+    flock 9
+    log "got the cache lock after $((SECONDS - t_lock)) s"
+fi
 
 # ---------------------------------------------------------------- ComfyUI source tree
 is_comfy_tree() { [[ -f "$1/main.py" && -f "$1/comfy/model_management.py" && -f "$1/requirements.txt" ]]; }

@@ -15,7 +15,10 @@ tag="$("$py" -c 'import sys, platform; print(f"cp{sys.version_info[0]}{sys.versi
 dest="$cache_root/triton-$version-$tag"
 mkdir -p "$cache_root"
 exec 8>"$cache_root/.lock-triton"
-flock 8
+if ! flock -n 8; then
+    echo "[setup_triton] waiting for $cache_root/.lock-triton: another run is installing triton there" >&2
+    flock 8
+fi
 if [[ ! -f "$dest/.safesage-complete" ]] || [[ ! -d "$dest/triton" ]]; then
     echo "[setup_triton] installing triton==$version into $dest" >&2
     rm -rf "$dest"

@@ -80,3 +80,56 @@ def test_failed_h3_tests_do_not_count_as_run(tmp_path, require_h3):
     cases = _comfy_ok() + _h3("failed")
     problems = cj.check(_junit(tmp_path, cases), require_h3=require_h3)
     assert bool(problems) == require_h3
+
+
+# ------------------------------------------------------------------ browser tests with CI=true
+NO_CHROMIUM = "no chromium at /usr/bin/chromium: install it with bash .ci/setup_browser.sh (Debian package chromium)"
+H3_BROWSER_SKIP = "COMFYUI_PATH=/x has no MiniMax H3: the quality guard's browser test needs a ComfyUI with H3"
+
+
+def _browser(outcome, reason="", n=2):
+    return [_case("tests.browser.test_browser_frontend", "test_%d" % i, outcome, reason) for i in range(n)]
+
+
+def test_browser_skip_fails_with_require_browser_and_names_the_reason(tmp_path):
+    path = _junit(tmp_path, _comfy_ok() + _browser("skipped", NO_CHROMIUM))
+    assert cj.check(path, require_h3=False) == []                       # a developer's machine: allowed
+    problems = cj.check(path, require_h3=False, require_browser=True)
+    assert sum("tests.browser.test_browser_frontend.test_" in p and "no chromium" in p for p in problems) == 2
+    assert any("only 0 browser tests (tests/browser) passed" in p for p in problems)
+
+
+def test_browser_module_skipped_or_absent_fails_with_require_browser(tmp_path):
+    module_skip = _junit(tmp_path, _comfy_ok() + [_case("", "tests.browser.test_browser_quality", "skipped", NO_CHROMIUM)]
+                         + _browser("passed"), "m.xml")
+    assert any("tests.browser.test_browser_quality skipped: no chromium" in p
+               for p in cj.check(module_skip, require_h3=False, require_browser=True))
+    none_ran = _junit(tmp_path, _comfy_ok(), "n.xml")
+    assert cj.check(none_ran, require_h3=False, require_browser=True) == [
+        "only 0 browser tests (tests/browser) passed (need %d)" % cj.MIN_BROWSER_PASSED]
+
+
+def test_browser_h3_skip_is_allowed_only_on_a_tree_without_h3(tmp_path):
+    path = _junit(tmp_path, _comfy_ok() + _h3("passed") + _browser("passed")
+                  + [_case("tests.browser.test_browser_quality", "test_q", "skipped", H3_BROWSER_SKIP)])
+    assert cj.check(path, require_h3=False, require_browser=True) == []
+    (problem,) = cj.check(path, require_h3=True, require_browser=True)
+    assert problem.startswith("tests.browser.test_browser_quality.test_q skipped: ")
+    ok = _junit(tmp_path, _comfy_ok() + _h3("passed") + _browser("passed"), "ok.xml")
+    assert cj.check(ok, require_h3=True, require_browser=True) == []
+
+
+def test_ci_true_makes_browser_skips_fail_the_pass_locally_they_are_listed(tmp_path, monkeypatch, capsys):
+    """What .ci/run runs after each pass: `check_junit.py --pass NAME [--require-h3] JUNIT`, with CI
+    from the environment -- CI=true fails on a skipped browser test, else the skip is listed with its reason."""
+    path = _junit(tmp_path, _comfy_ok() + _browser("skipped", NO_CHROMIUM))
+    monkeypatch.delenv("CI", raising=False)
+    assert cj.main(["--pass", "0.3.75", path]) == 0
+    err = capsys.readouterr().err
+    assert "2 browser tests skipped (allowed here; with CI=true this fails the run)" in err and "no chromium" in err
+    monkeypatch.setenv("CI", "true")
+    assert cj.main(["--pass", "0.3.75", path]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED (pass 0.3.75)" in err and "no chromium" in err
+    ran = _junit(tmp_path, _comfy_ok() + _browser("passed"), "ran.xml")
+    assert cj.main(["--pass", "0.3.75", ran]) == 0
