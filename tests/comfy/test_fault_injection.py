@@ -4,7 +4,9 @@ fails the prompt. In a real headless ComfyUI (CPU, tiny models), with one server
 1. one prompt records, inside the server (test_nodes/fault_injector.py: ``sys.setprofile`` around
    the sampling run), every function of the pack's safe_ops/ and nodes/ that runs after the node
    patched the model -- the list is derived, not typed here; the boundary's own code (contain.py,
-   the stats code report.py, the functions contain.boundary marks) is listed apart;
+   the stats code run_stats.py, the functions contain.boundary marks) is listed apart. It records
+   in a warmed server (one prompt of the same graph first), twice, and both recordings must agree
+   on every call count: what a prompt runs must not depend on which tests ran before (see _record);
 2. then, one prompt per recorded function, that function raises RuntimeError on every call (its
    code swapped in every live function object and in the code that makes it, restored after the
    run). Each prompt must finish; the injector's count shows the fault was reached; SafeSage's
@@ -16,6 +18,9 @@ fails the prompt. In a real headless ComfyUI (CPU, tiny models), with one server
      fell back (the MLP section's internal_errors did not move), else within CHUNK_TOL (below).
 3. For the functions called more than once per run, one more prompt each raises on the second call
    only (the first ran: e.g. a chunk loop that already ran one chunk, a cast memoised for the call).
+   The injector collects garbage before each prompt's run, so a function called once per live
+   object (QualityGuard.run_end, per guard in a WeakSet) runs as often as it was recorded; a case
+   whose fault is never reached fails, saying how often the function ran.
 
 CHUNK_TOL: a faulted MLP call runs ComfyUI's unchunked forward on the whole input instead of the
 chunked one; both compute every row with the same fp32 operations, only the matmul's blocking
@@ -85,13 +90,30 @@ def _prompt_error(entry: dict) -> str:
     return "status %s" % entry["status"].get("status_str")
 
 
+def _counts(rec: dict) -> dict:
+    return {f["key"]: f["calls"] for f in rec["functions"]}
+
+
 def _record(comfy, make_graph, name: str, expected) -> dict:
-    """One prompt under the recorder: the functions of the pack it runs (and the boundary's)."""
-    tag = "%s_record" % name
-    entry = comfy.run(_with_faults(make_graph(tag), "record", tag))
-    rec = _fault_report(comfy, tag)
-    for got, want in zip(saved_latents(entry), expected):     # recording changes nothing
-        assert torch.equal(got, want), max_rel_diff(got, want)
+    """The functions of the pack a prompt runs (and the boundary's), recorded in a warmed server:
+    the first SafeSage prompt of ComfyUI's worker thread runs code later prompts do not
+    (facts/compiler.py's ``run_id`` finds no run id of that thread yet and takes one), so one
+    prompt without the recorder comes first, whatever ran in the server before. Two recordings
+    then must agree on every function and its call count: the "2nd call only" cases count on it
+    (the injector collects garbage first, so dead objects of earlier prompts call nothing). Every
+    one of the three gives the latents ``expected`` bitwise (recording changes nothing)."""
+    recs = []
+    for i, mode in enumerate(("none", "record", "record")):
+        tag = "%s_record%d" % (name, i)
+        entry = comfy.run(_with_faults(make_graph(tag), mode, tag))
+        for got, want in zip(saved_latents(entry), expected):
+            assert torch.equal(got, want), max_rel_diff(got, want)
+        if mode == "record":
+            recs.append(_fault_report(comfy, tag))
+    rec = recs[-1]
+    first, second = _counts(recs[0]), _counts(rec)
+    assert first == second, "two recordings in the warmed server differ (function: calls): %s" % {
+        k: (first.get(k), second.get(k)) for k in sorted(set(first) | set(second)) if first.get(k) != second.get(k)}
     print("\n[%s] recorded %d functions: %s\n[%s] boundary (not injected): %s" % (
         name, len(rec["functions"]), ", ".join("%s x%d" % (f["key"], f["calls"]) for f in rec["functions"]),
         name, ", ".join(f["key"] for f in rec["boundary"])))
@@ -105,6 +127,7 @@ def _run_suite(comfy, make_graph, name: str, expected, tol: float, chunked: bool
     ``make_graph(out_name)`` is the SafeSage graph; ``expected`` the latents every prompt must give
     (within ``tol`` where an MLP call fell back, else bitwise). Returns the recording."""
     rec = _record(comfy, make_graph, name, expected)
+    recorded = _counts(rec)
     funcs = [f for f in rec["functions"] if f["key"] not in covered]
     assert funcs, "nothing recorded beyond what other prompts cover"
 
@@ -120,9 +143,11 @@ def _run_suite(comfy, make_graph, name: str, expected, tol: float, chunked: bool
         if entry["status"]["status_str"] != "success":
             failures.append("%s: the prompt failed: %s" % (what, _prompt_error(entry)))
             continue
-        hits = _fault_report(comfy, tag)["hits"]
+        report = _fault_report(comfy, tag)
+        hits = report["hits"]
         if hits < 1:
-            failures.append("%s: the injected fault was never reached" % what)
+            failures.append("%s: the injected fault was never reached (the function ran %d time(s) in this "
+                            "prompt, %d in the recording)" % (what, report["calls"], recorded[key]))
             continue
         if sum(after) - sum(before) < 1:
             failures.append("%s: raised %d time(s) but internal_errors did not move (%s -> %s)"

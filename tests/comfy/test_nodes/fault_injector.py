@@ -16,11 +16,15 @@ node patched the model -- happens inside it, in this thread. In it:
       on that call only (the others run the original). Everything is restored when sampling ends.
       A target "comfy:<module>:<attribute path>" is one of ComfyUI's own functions instead.
   mode "none": nothing (the same graph shape without a fault).
+In every mode the wrapper first runs ``gc.collect()``: what earlier prompts left unreachable (their
+SafeSage node's quality guard, held in a WeakSet until collected) is gone before the run, so that a
+function called once per live object is called as often in a recording as in an injected prompt.
 
 The raise happens in a frame whose code carries the target's file name and qualified name, as
 if that function's own code raised. After sampling the wrapper writes what it saw to
 <output>/safesage_test/faults_<tag>.json: the recorded functions, or the calls of the target and
-how many of them raised ("hits"), so that a test can tell an injection that was never reached.
+how many of them raised ("hits"), so that a test can tell an injection that was never reached;
+and the seconds the collection, the injection's setup and the run took ("gc_s", "setup_s", "run_s").
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import os
 import sys
 import threading
+import time
 import types
 
 import folder_paths
@@ -203,7 +208,10 @@ class Injection:
             funcs = _pack_functions()
             parent, _ = _index(funcs)
             codes = {c for c in list(parent) + [f.__code__ for f in funcs]}
-            target = [c for c in codes if code_key(c) == self.key]
+            # the qualified name and first line first: code_key reads every code's positions
+            qualname, line = self.key.split(":")[1:3]
+            target = [c for c in codes if c.co_qualname == qualname and c.co_firstlineno == int(line)
+                      and code_key(c) == self.key]
             if len(target) != 1:
                 raise RuntimeError("fault target %s: %d code objects match" % (self.key, len(target)))
             target = target[0]
@@ -262,6 +270,12 @@ def _write(tag: str, data: dict) -> None:
 def _make_wrapper(mode: str, target: str, only_call: int, tag: str):
     def wrapper(executor, *args, **kwargs):
         data = {"mode": mode, "target": target, "only_call": only_call}
+        # dead objects of earlier prompts go first: functions called once per live object (e.g.
+        # QualityGuard.run_end, once per guard in quality/guard.py's WeakSet) then run as often in
+        # the recording as in every injected prompt, whenever the collector last ran
+        t = time.perf_counter()
+        gc.collect()
+        data["gc_s"] = round(time.perf_counter() - t, 3)
         if mode == "record":
             rec = Recorder()
             old = sys.getprofile()
@@ -275,11 +289,14 @@ def _make_wrapper(mode: str, target: str, only_call: int, tag: str):
                 _write(tag, data)
         if mode == "inject":
             inj = Injection(target, only_call)
+            t0 = time.perf_counter()
             try:
                 with inj:
+                    data["setup_s"] = round(time.perf_counter() - t0, 3)
                     return executor(*args, **kwargs)
             finally:
                 data.update(inj.counts())
+                data["run_s"] = round(time.perf_counter() - t0, 3)
                 _write(tag, data)
         try:
             return executor(*args, **kwargs)
