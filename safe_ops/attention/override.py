@@ -324,11 +324,15 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         if fams is None:
             return plan
         quality_guard.STATS.bump("moved_calls")
-        for fam in fams:
+        for i, fam in enumerate(fams):
             if fam == "sdpa":
+                if i:
+                    quality_guard.runs_now(st, n.block, p.klass, fam)
                 return None
             got = plan if fam == plan.kernel else self._family_plan(p, fam, p.device)
             if got is not None:
+                if i:
+                    quality_guard.runs_now(st, n.block, p.klass, fam)
                 return got
             # the family it moved to cannot run it (failed its first-call check on this class of call,
             # switched off, or outside its limits): the next family under the block's target, else ComfyUI's own
@@ -337,6 +341,7 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
                            "SafeSage quality guard: %s cannot run the calls of %s moved to it (%s); they run %s "
                            "instead", fam, p.shape_key, self._why_not(fam, p),
                            next((f for f in fams[fams.index(fam) + 1:] if f != "sdpa"), "ComfyUI's own attention"))
+        quality_guard.runs_now(st, n.block, p.klass, "sdpa")
         return None
 
     def _why_not(self, family: str, p: Prepared) -> str:

@@ -78,6 +78,7 @@ class RunState:
     seen: set = field(default_factory=set)        # (block, klass) measured at the current step
     choices: dict = field(default_factory=dict)   # (block, klass) -> (family, alternatives...) from step 2 on
     decided: bool = False
+    fell: dict = field(default_factory=dict)      # (block, klass) -> what runs a moved block now (runs_now)
 
 
 class QualityGuard:
@@ -309,7 +310,22 @@ def _entry(c: targets.Choice) -> dict:
     return {"block": c.block, "family": c.family, "error": _r(c.error), "planned": c.planned,
             "planned_error": _r(c.planned_error), "target": _r(c.target), "moved": c.moved, "why": c.why,
             "candidates": {f: _r(e) for f, e in c.candidates.items()}, "call_class": c.klass,
-            "alternatives": list(c.alternatives)}
+            "alternatives": list(c.alternatives), "runs_now": c.family}
+
+
+def runs_now(st: RunState, block: int, klass: str, family: str) -> None:
+    """A moved block's calls run ``family`` instead of the family chosen for them (it failed its
+    first-call check or was switched off; the override's fallback): the last run's report says so
+    (``runs_now``), once per change (st.fell)."""
+    key = (block, klass)
+    if st.fell.get(key) == family:
+        return
+    st.fell[key] = family
+    with _LAST_LOCK:
+        for e in (_LAST.get("choices") or {}).get("blocks", []):
+            if e["block"] == block and e.get("call_class") == klass:
+                e["runs_now"] = family
+        run_stats.set_info("quality_last_run", dict(_LAST))
 
 
 _unsent = False          # published since the last event (under _LAST_LOCK)

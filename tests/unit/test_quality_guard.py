@@ -384,6 +384,7 @@ def test_moved_block_whose_family_fails_its_first_check_never_runs_it_again(fres
     outs += [forward(att, data, sched, s) for s in (2, 3)]
     end_run()
     assert choices()[OUTLIERS[0]]["family"] == fq.KITCHEN, choices()
+    assert all(choices()[b]["runs_now"] == "sdpa" for b in OUTLIERS), choices()     # the report says what runs
     assert fq.LAUNCHES[fq.KITCHEN] - launched == 1, "only the first moved call ran it (and failed its check)"
     s = stats()
     assert s["probe_failures"] == 1 and s["quality"]["moved_fallbacks"] == 2 * len(OUTLIERS) - 1, s
@@ -432,7 +433,8 @@ def test_moved_block_falls_back_to_the_next_family_under_its_target(fresh, extra
     outs += [forward(att, data, sched, s) for s in (2, 3)]
     end_run()
     ch = choices()
-    assert all(ch[b]["family"] == "fake_kitchen_b" for b in OUTLIERS), ch
+    assert all(ch[b]["family"] == "fake_kitchen_b" and ch[b]["runs_now"] == fq.KITCHEN for b in OUTLIERS), ch
+    assert all(ch[b]["runs_now"] == ch[b]["family"] for b in BENIGN), ch
     assert fq.LAUNCHES["fake_kitchen_b"] - launched == 1
     assert stats()["quality"]["moved_fallbacks"] == 2 * len(OUTLIERS) - 1
     first, second = OUTLIERS
