@@ -6,12 +6,20 @@ sets both):
 
     PYTHONPATH=$COMFYUI_PATH:. python -m tools.harness.tiny_models sd2 OUT.safetensors [--seed N]
     PYTHONPATH=$COMFYUI_PATH:. python -m tools.harness.tiny_models h3  OUT.safetensors [--seed N]   (H3 trees only)
+    PYTHONPATH=$COMFYUI_PATH:. python -m tools.harness.tiny_models lotus  OUT.safetensors [--seed N]
+    PYTHONPATH=$COMFYUI_PATH:. python -m tools.harness.tiny_models sd_vae OUT.safetensors [--seed N]
 
 Prints one JSON line on stdout describing what was written (detected model class, counts the tests
 use to derive expected numbers).
 
 sd2: an SD2-class UNet, one level (model_channels 320, context_dim 1024, linear transformer):
      ComfyUI detects it as SD20 and LotusConditioning's [1, 2, 1024] embedding fits its context.
+lotus: the sd2 UNet with Lotus-D's class embedding (adm_in_channels 4, 'sequential'): ComfyUI
+     detects it as LotusD, the class of lotus-depth-d-v1-1.safetensors (the quick-start template's
+     model), and runs it through model_base.Lotus.
+sd_vae: the SD1.x/SD2.x KL VAE (vae-ft-mse-840000-ema-pruned.safetensors' architecture and key
+     names: ch 128, ch_mult 1-2-4-4, 4 latent channels; ComfyUI reads that encoder config from no
+     key, so it is full size: about 84 M parameters, written fp16, 160 MiB), random weights.
 h3:  a MiniMax H3 DiT: hidden 64, 1 block + 1 token-refiner block, 2 heads x 32, ffn 128,
      text_dim 1024. Fan-in-scaled init (std = fan_in**-0.5) so that the adaLN gates are O(1) and
      every block changes the output (with std 0.02 the blocks are no-ops and tests pass
@@ -147,6 +155,80 @@ def _block_effects_h3(model):
     return {"attention": _rel_change(no_attn, ref), "mlp": _rel_change(no_mlp, ref)}
 
 
+def make_lotus(out, seed):
+    """The tiny SD2 UNet with Lotus-D's class embedding (``label_emb``, adm_in_channels 4): ComfyUI
+    detects it as LotusD and builds model_base.Lotus (its y = the depth task embedding)."""
+    import torch
+    import comfy.model_detection
+    import comfy.supported_models
+    import safetensors.torch
+
+    if not hasattr(comfy.supported_models, "LotusD"):
+        raise SystemExit("this ComfyUI has no Lotus support")
+    torch.manual_seed(seed)
+    # num_head_channels as LotusD has it since upstream added it (0.3.75 has only num_classes there)
+    config = dict(SD2_UNET_CONFIG, adm_in_channels=4, num_heads=-1, num_head_channels=64)
+    model_config = comfy.supported_models.LotusD(config)
+    unet = model_config.get_model({}).diffusion_model
+    sd = _fan_in_init(unet)
+    detected = comfy.model_detection.model_config_from_unet(sd, "")
+    if detected is None or type(detected).__name__ != "LotusD":
+        raise SystemExit("tiny Lotus UNet detected as %r, expected LotusD" % (type(detected).__name__,))
+    unet.load_state_dict(sd)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    safetensors.torch.save_file(sd, out)
+    blocks = {k.split(".transformer_blocks.")[0] for k in sd if ".transformer_blocks." in k}
+    return {"kind": "lotus", "path": out, "detected": type(detected).__name__,
+            "transformer_blocks": len(blocks), "attention_calls_per_forward": 2 * len(blocks),
+            "bytes": os.path.getsize(out)}
+
+
+def _fan_in_init(module):
+    """Random weights that keep activations O(1): fan-in scaled matrices/kernels, norm weights 1,
+    biases 0 (the 1-d tensors of a UNet or VAE are its norms and biases)."""
+    import torch
+
+    sd = {}
+    for k, v in module.state_dict().items():
+        v = v.detach().float()
+        if v.dim() > 1:
+            sd[k] = (torch.randn_like(v) * v[0].numel() ** -0.5).contiguous()
+        elif k.endswith(".weight"):
+            sd[k] = torch.ones_like(v)
+        else:
+            sd[k] = torch.zeros_like(v)
+    return sd
+
+
+#: comfy/sd.py's "default SD1.x/SD2.x VAE parameters" (the encoder's are read from no key)
+SD_VAE_DDCONFIG = {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3, "out_ch": 3, "ch": 128,
+                   "ch_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+
+
+def make_sd_vae(out, seed):
+    """An SD KL VAE with random weights under the original checkpoint's key names (encoder.*,
+    decoder.*, quant_conv.*, post_quant_conv.*); checked by loading it with comfy.sd.VAE and
+    encoding / decoding a 16x16 image."""
+    import torch
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+    import safetensors.torch
+
+    torch.manual_seed(seed)
+    model = AutoencoderKL(ddconfig=dict(SD_VAE_DDCONFIG), embed_dim=4)
+    sd = {k: v.half() for k, v in _fan_in_init(model).items()}
+    vae = comfy.sd.VAE(sd=dict(sd))
+    img = torch.rand(1, 16, 16, 3)
+    latent = vae.encode(img)
+    back = vae.decode(latent)
+    if tuple(latent.shape) != (1, 4, 2, 2) or tuple(back.shape[-3:]) != (16, 16, 3) or not torch.isfinite(back).all():
+        raise SystemExit("tiny SD VAE: encode %s, decode %s" % (tuple(latent.shape), tuple(back.shape)))
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    safetensors.torch.save_file(sd, out)
+    return {"kind": "sd_vae", "path": out, "latent_channels": int(vae.latent_channels),
+            "parameters": int(sum(v.numel() for v in sd.values())), "bytes": os.path.getsize(out)}
+
+
 H3_CONFIG = dict(
     hidden_size=64, num_layers=1, token_refiner_num_layers=1, num_attention_heads=2,
     attention_head_dim=32, ffn_hidden_size=128, latents_dim=24, audio_latents_dim=32,
@@ -234,7 +316,7 @@ def make_h3(out, seed, blocks=None, outlier_blocks=(), outlier_factor=32.0):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kind", choices=["sd2", "h3"])
+    ap.add_argument("kind", choices=["sd2", "h3", "lotus", "sd_vae"])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--blocks", type=int, default=None, help="h3: DiT blocks (default 1)")
@@ -244,6 +326,10 @@ def main():
     _setup_comfy()
     if a.kind == "sd2":
         info = make_sd2(a.out, a.seed)
+    elif a.kind == "lotus":
+        info = make_lotus(a.out, a.seed)
+    elif a.kind == "sd_vae":
+        info = make_sd_vae(a.out, a.seed)
     else:
         info = make_h3(a.out, a.seed, a.blocks, tuple(int(b) for b in a.outlier_blocks.split(",") if b),
                        a.outlier_factor)
