@@ -63,6 +63,14 @@ def open_comfy(url: str, console: list | None = None):
 
 
 def hide_overlays(page) -> None:
-    """Hide toasts and the missing-model error panel (screenshots only)."""
+    """Hide toasts, the missing-model error panel, the minimap and the canvas' render statistics
+    (screenshots only)."""
     page.add_style_tag(content=".p-toast, [class*='error-overlay'], [class*='ErrorOverlay'] "
                                "{ display: none !important; }")
+    page.evaluate("""() => {
+        const s = app.extensionManager?.setting;
+        for (const [k, v] of [['Comfy.Minimap.Visible', false], ['Comfy.Graph.CanvasInfo', false]]) {
+            try { s?.set?.(k, v); } catch (e) { /* an older frontend without the setting */ }
+        }
+        app.canvas.setDirty(true, true);
+    }""")

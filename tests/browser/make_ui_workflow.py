@@ -1,13 +1,17 @@
-"""Regenerate example_workflows/minimax_h3_ref2va_safesage.json (UI format) and its .jpg thumbnail
-from the API copy in example_workflows/api/, with ComfyUI's own frontend doing the conversion.
+"""Regenerate the UI-format templates in example_workflows/ from their API copies in
+example_workflows/api/, with ComfyUI's own frontend doing the conversion.
 
     COMFYUI_PATH=<ComfyUI 0dd9b154 tree> SAFESAGE_PYTHON=<venv python> \
-        <venv python> tests/browser/make_ui_workflow.py
+        <venv python> tests/browser/make_ui_workflow.py [name ...]
 
-Starts a headless ComfyUI (--cpu) with the pack, opens it in headless chromium, loads the API
-graph with the frontend's app.loadApiJson, sets the reporter's seed to 'fixed' (the frontend
-defaults new seeds to 'randomize'), saves app.graph.serialize() and a JPEG of the canvas.
-Development tool only (not shipped; tests/ is in .comfyignore).
+Starts a headless ComfyUI (--cpu) with the pack, opens it in headless chromium, loads each API
+graph with the frontend's app.loadApiJson, then adds what the API format cannot hold: the loader
+nodes' ``properties.models`` (name, url, directory: the frontend's missing-models dialog offers
+these downloads), node titles, a note with the model links, the canvas layout; seeds are set to
+'fixed' (the frontend defaults new ones to 'randomize'). Saves app.graph.serialize(). The
+thumbnails (<name>.jpg) are made by tests/browser/test_browser_frontend.py
+(SAFESAGE_UPDATE_SCREENSHOTS=1), with placeholder files of the templates' names so that no node
+is red. Development tool only (not shipped; tests/ is in .comfyignore).
 """
 
 from __future__ import annotations
@@ -15,63 +19,168 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parents[1])]       # browser.py, and the repository root (harness)
 
-from browser import browser_problem, hide_overlays, open_comfy  # noqa: E402
+from browser import browser_problem, open_comfy  # noqa: E402
 from tools.harness.comfy_server import (REPO, comfy_path_problem, has_minimax_h3, running_pack_server,  # noqa: E402
-                          server_python)
+                                        server_python)
 
-NAME = "minimax_h3_ref2va_safesage"
-# node id -> canvas position: loaders left, SafeSage right after the model loader, sampling, decode, save
-LAYOUT = {1: (0, 0), 2: (0, 150), 3: (0, 330), 4: (0, 440), 20: (0, 640), 21: (330, 640), 22: (660, 640),
-          30: (330, 0), 6: (330, 200), 7: (720, 0), 8: (720, 140), 9: (720, 250), 10: (720, 350),
-          11: (1010, 0), 12: (1250, 0), 13: (1250, 110), 14: (1250, 220), 15: (1250, 370)}
-VIEW = {"scale": 0.68, "offset": [128, 174]}   # graph (0, 0) at window pixel (87, 118)
-API = REPO / "example_workflows" / "api" / (NAME + ".json")
-UI = REPO / "example_workflows" / (NAME + ".json")
-THUMB = REPO / "example_workflows" / (NAME + ".jpg")
+WF = REPO / "example_workflows"
+H3 = "minimax_h3_ref2va_safesage"
+QUICK = "safesage_quickstart_lotus_depth"
+
+H3_REPO = "https://huggingface.co/Comfy-Org/MiniMax-H3"
+#: every model file a template names: file -> (download URL, ComfyUI models/ folder). Sources:
+#: huggingface.co/Comfy-Org/MiniMax-H3 (tree/main/diffusion_models, tree/main/vae; the text encoder's
+#: URL as ComfyUI's own template video_minimax_h3_r2v.json has it), huggingface.co/Comfy-Org/lotus and
+#: stabilityai/sd-vae-ft-mse-original (as ComfyUI's own template image_lotus_depth_v1_1.json has them).
+MODELS = {
+    "minimax_h3_ref2va_pruned_fp8_scaled.safetensors":
+        (H3_REPO + "/resolve/main/diffusion_models/minimax_h3_ref2va_pruned_fp8_scaled.safetensors", "diffusion_models"),
+    "qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors":
+        (H3_REPO + "/resolve/main/text_encoders/qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors", "text_encoders"),
+    "minimax_h3_video_vae_fp16.safetensors":
+        (H3_REPO + "/resolve/main/vae/minimax_h3_video_vae_fp16.safetensors", "vae"),
+    "minimax_h3_audio_vae_fp32.safetensors":
+        (H3_REPO + "/resolve/main/vae/minimax_h3_audio_vae_fp32.safetensors", "vae"),
+    "lotus-depth-d-v1-1.safetensors":
+        ("https://huggingface.co/Comfy-Org/lotus/resolve/main/lotus-depth-d-v1-1.safetensors", "diffusion_models"),
+    "vae-ft-mse-840000-ema-pruned.safetensors":
+        ("https://huggingface.co/stabilityai/sd-vae-ft-mse-original/resolve/main/vae-ft-mse-840000-ema-pruned.safetensors",
+         "vae"),
+}
+LOADER_INPUT = {"UNETLoader": "unet_name", "CLIPLoader": "clip_name", "VAELoader": "vae_name"}
+
+H3_NOTE = f"""## MiniMax H3 reference-to-video, with SafeSage
+
+The graph of the original bug report (1664x960, 362 frames: about 168,000 tokens) with **SafeSage
+Attention** right after the model loader. **SafeSage Preflight** reports, before any model runs, the
+token count of the size set in *width*, *height*, *length* (they feed both nodes), which kernel limits
+it crosses on your GPU and the plan SafeSage takes.
+
+**Models** ([Comfy-Org/MiniMax-H3]({H3_REPO})); ComfyUI offers each download when it is missing:
+
+- diffusion_models: [minimax_h3_ref2va_pruned_fp8_scaled.safetensors]({MODELS['minimax_h3_ref2va_pruned_fp8_scaled.safetensors'][0]})
+- text_encoders: [qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors]({MODELS['qwen3vl_32b_minimax_h3_nvfp4_awq.safetensors'][0]})
+- vae: [minimax_h3_video_vae_fp16.safetensors]({MODELS['minimax_h3_video_vae_fp16.safetensors'][0]}),
+  [minimax_h3_audio_vae_fp32.safetensors]({MODELS['minimax_h3_audio_vae_fp32.safetensors'][0]})
+
+**Reference images**: the three *Load ref* nodes start on example.png (it ships with ComfyUI); load
+your character, background and prop there.
+
+After a run: SafeSage's status on its node, and the **SafeSage** tab in the left sidebar (attention calls
+by plan, fallbacks, the MLP's chunks, the quality guard's table per block).
+"""
+
+QUICK_NOTE = f"""## SafeSage quick start (Lotus depth, no H3 files)
+
+See SafeSage work in a few minutes: Lotus-D v1.1 (an SD2-class UNet, one sampling step) turns a photo
+into a depth map, and **SafeSage Attention** guards every attention call of it. (ComfyUI 0.3.75 cannot
+load Lotus-D; a later ComfyUI can.)
+
+**Models**; ComfyUI offers each download when it is missing:
+
+- diffusion_models: [lotus-depth-d-v1-1.safetensors]({MODELS['lotus-depth-d-v1-1.safetensors'][0]})
+- vae: [vae-ft-mse-840000-ema-pruned.safetensors]({MODELS['vae-ft-mse-840000-ema-pruned.safetensors'][0]})
+
+**Image**: *Load any photo* starts on example.png (it ships with ComfyUI).
+
+After the run: the status on the SafeSage node (GPU, runtime, kernel choice and why), and the
+**SafeSage** tab in the left sidebar: attention calls by plan, fallbacks with reasons, kernels switched
+off, and the quality guard's table per block where a guarded kernel (SageAttention, comfy-kitchen)
+runs them. The H3 MLP chunking needs a MiniMax H3 model (the other template).
+"""
+
+#: per template: node id -> canvas position, node sizes, node id -> title, the note (position, size,
+#: text), the canvas view saved in extra.ds, and the part of a 1600x900 page its thumbnail shows
+#: (tests/browser/test_browser_frontend.py)
+SPECS = {
+    H3: {
+        "layout": {1: (0, 0), 2: (0, 120), 3: (0, 270), 4: (0, 370), 40: (0, 490), 41: (0, 600), 42: (0, 710),
+                   30: (320, 0), 31: (320, 340), 6: (720, 0), 20: (320, 630), 21: (640, 630), 22: (960, 630),
+                   7: (1140, 0), 8: (1140, 150), 9: (1140, 270), 10: (1140, 370),
+                   11: (1440, 0), 12: (1440, 160), 13: (1440, 250), 14: (1700, 0), 15: (1700, 140)},
+        "sizes": {30: (360, 290), 31: (360, 240), 6: (380, 560), 20: (300, 330), 21: (300, 330), 22: (300, 330)},
+        "titles": {20: "Load ref 1: a character", 21: "Load ref 2: a background", 22: "Load ref 3: a prop",
+                   40: "width", 41: "height", 42: "length (frames)"},
+        "note": ((1290, 480), (560, 470), H3_NOTE),
+        "view": {"scale": 0.65, "offset": [110, 190]},
+        "thumb_clip": {"x": 62, "y": 92, "width": 1300, "height": 680},
+    },
+    QUICK: {
+        "layout": {1: (0, 0), 2: (0, 120), 3: (0, 220), 30: (380, 0), 4: (380, 340), 8: (380, 410),
+                   9: (380, 480), 5: (770, 0), 6: (770, 90), 7: (770, 240), 10: (770, 340),
+                   11: (1060, 0), 12: (1060, 160), 13: (1060, 250), 14: (1330, 0)},
+        "sizes": {30: (350, 290), 3: (320, 360), 14: (300, 300)},
+        "titles": {3: "Load any photo"},
+        "note": ((1060, 340), (570, 320), QUICK_NOTE),
+        "view": {"scale": 0.8, "offset": [90, 150]},
+        "thumb_clip": {"x": 62, "y": 92, "width": 1320, "height": 640},
+    },
+}
+
+BUILD_JS = """async ([name, api, spec, models, loaderInput]) => {
+    await app.loadApiJson(api, name);
+    const byId = (id) => app.graph.getNodeById(Number(id));
+    for (const n of app.graph._nodes) {
+        for (const w of n.widgets ?? []) if (w.name === 'control_after_generate') w.value = 'fixed';
+        const input = loaderInput[n.type];
+        const file = input && n.widgets?.find((w) => w.name === input)?.value;
+        if (file) {
+            const [url, directory] = models[file];
+            n.properties = {...n.properties, models: [{name: file, url, directory}]};
+        }
+    }
+    // a widget fed by a primitive node shows that node's value (it is what the prompt gets)
+    for (const n of app.graph._nodes) {
+        for (const inp of n.inputs ?? []) {
+            if (inp.link == null || !inp.widget) continue;
+            const src = app.graph.getNodeById(app.graph.links[inp.link].origin_id);
+            const w = n.widgets?.find((x) => x.name === inp.widget.name);
+            if (src?.type === 'PrimitiveInt' && w) w.value = src.widgets[0].value;
+        }
+    }
+    for (const [id, t] of Object.entries(spec.titles)) byId(id).title = t;
+    for (const [id, p] of Object.entries(spec.layout)) byId(id).pos = [p[0], p[1]];
+    for (const [id, s] of Object.entries(spec.sizes)) byId(id).size = [s[0], s[1]];
+    const note = LiteGraph.createNode('MarkdownNote');
+    app.graph.add(note);
+    note.pos = spec.note[0];
+    note.size = spec.note[1];
+    note.title = 'Note: read me';
+    note.widgets[0].value = spec.note[2];
+    app.canvas.setDirty(true, true);
+    const ui = app.graph.serialize();
+    delete ui.id;                         // a random workflow id per serialisation
+    ui.extra = {ds: spec.view};
+    return ui;
+}"""
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
     problem = comfy_path_problem() or browser_problem(server_python())
     if problem or not has_minimax_h3():
         print(problem or "COMFYUI_PATH has no MiniMax H3 nodes", file=sys.stderr)
         return 2
-    api = json.loads(API.read_text())
     with tempfile.TemporaryDirectory() as tmp:
         with running_pack_server(Path(tmp)) as server:
             with open_comfy(server.url) as page:
-                page.evaluate("async (g) => { await app.loadApiJson(g, %s); }" % json.dumps(NAME), api)
-                page.evaluate("""() => {
-                    for (const n of app.graph._nodes) {
-                        const c = n.widgets?.find((w) => w.name === 'control_after_generate');
-                        if (c) c.value = 'fixed';
-                    }
-                    app.canvas.setDirty(true, true);
-                }""")
-                page.evaluate("""(layout) => {
-                    for (const n of app.graph._nodes) {
-                        const p = layout[String(n.id)];
-                        if (p) n.pos = [p[0], p[1]];
-                    }
-                }""", {str(k): v for k, v in LAYOUT.items()})
-                ui = page.evaluate("() => app.graph.serialize()")
-                ui.pop("id", None)          # a random workflow id per serialisation
-                ui["extra"] = {"ds": VIEW}
-                UI.write_text(json.dumps(ui, indent=1) + "\n")
-                page.evaluate("(ds) => { app.canvas.ds.scale = ds.scale; app.canvas.ds.offset = ds.offset;"
-                              " app.canvas.setDirty(true, true); }", ui["extra"]["ds"])
-                hide_overlays(page)
-                time.sleep(1.0)
-                page.screenshot(path=str(THUMB), type="jpeg", quality=80,
-                                clip={"x": 70, "y": 85, "width": 1100, "height": 600})
-    print("wrote %s and %s" % (UI, THUMB))
+                for name in names or list(SPECS):
+                    spec = dict(SPECS[name])
+                    spec = {**spec, "layout": {str(k): v for k, v in spec["layout"].items()},
+                            "sizes": {str(k): v for k, v in spec["sizes"].items()},
+                            "titles": {str(k): v for k, v in spec["titles"].items()}}
+                    api = json.loads((WF / "api" / (name + ".json")).read_text())
+                    page.evaluate("() => app.graph.clear()")
+                    ui = page.evaluate(BUILD_JS, [name, api, spec, MODELS, LOADER_INPUT])
+                    out = WF / (name + ".json")
+                    out.write_text(json.dumps(ui, indent=1, ensure_ascii=False) + "\n")
+                    print("wrote %s" % out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

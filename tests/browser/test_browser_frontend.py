@@ -3,29 +3,37 @@
 One page on a headless ComfyUI (--cpu) of its own (tests/browser/conftest.py): the node is added from the node search box
 (double-click on the canvas, type, Enter), wired between a tiny SD2 UNet loader and KSampler and
 queued from the frontend; the status text SafeSageAttention returns must appear in the box on the
-node, and the "SafeSage: show run statistics" command (Extensions menu) must put the numbers of
-GET /safesage/stats there. Skipped, with the reason, without chromium, playwright or the frontend
-package (`bash .ci/setup_browser.sh <venv python>` installs them), or without a ComfyUI tree.
-Marked `browser`.
+node, and the "SafeSage: show run statistics" command (Extensions menu) must open the SafeSage
+sidebar tab with the numbers of GET /safesage/stats as tables, the node's status left as it was.
+The templates (example_workflows/) load from ComfyUI's template route with no missing node type,
+and with placeholder files of their model and image names no loader names a missing file; their
+thumbnails are screenshots of that. Skipped, with the reason, without chromium, playwright or the
+frontend package (`bash .ci/setup_browser.sh <venv python>` installs them), or without a ComfyUI
+tree. Marked `browser`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
 
 from browser import hide_overlays, open_comfy
+from make_ui_workflow import H3, MODELS, QUICK, SPECS
+from stats_panel import close_sidebar_panel, panel_refreshes, panel_text, wait_panel_refreshed
 from tools.harness.comfy_graphs import canonical_inputs, sd2_graph
-from tools.harness.comfy_server import REPO, has_minimax_h3
+from tools.harness.comfy_server import PACK_DIR_NAME, REPO, comfy_root, has_minimax_h3
 
 pytestmark = pytest.mark.browser
 
-# SAFESAGE_UPDATE_SCREENSHOTS=1 rewrites the README's screenshot; otherwise it goes to pytest's tmp dir
+# SAFESAGE_UPDATE_SCREENSHOTS=1 rewrites the README's screenshot and the templates' thumbnails;
+# otherwise they go to pytest's tmp dir
+UPDATE = os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1"
 SCREENSHOT = REPO / "docs" / "safesage_node_in_comfyui.png"
-NAME = "minimax_h3_ref2va_safesage"
+TEMPLATES = [H3, QUICK]
 STATUS_JS = """(type) => {
     const n = app.graph._nodes.find((x) => x.type === (type || 'SafeSageAttention'));
     const w = n?.widgets?.find((x) => x.name === 'safesage_status');
@@ -136,7 +144,7 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
                      ConditioningZeroOut: [620, 100], EmptyLatentImage: [620, 200], KSampler: [920, 0],
                      SafeSageTestSaveLatent: [1260, 0], SafeSagePreflight: [620, 330]};
         for (const n of app.graph._nodes) if (pos[n.type]) n.pos = pos[n.type];
-        ss.size = [580, 330];
+        ss.size = [580, 420];
         pf.size = [590, 430];
         app.canvas.ds.scale = 1; app.canvas.ds.offset = [90, 130];
         app.canvas.setDirty(true, true);
@@ -168,14 +176,20 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     shot = SCREENSHOT if os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1" else tmp_path / SCREENSHOT.name
     page.screenshot(path=str(shot), clip={"x": 70, "y": 90, "width": 1240, "height": 800})
 
+    # "show run statistics" opens the SafeSage sidebar tab: the numbers as tables, the status kept
+    status = page.evaluate(STATUS_JS)            # with the run's last-run line, if any
+    refreshes = panel_refreshes(page)
     _show_stats_from_menu(page)
-    page.wait_for_function("() => (%s)()?.startsWith('run statistics (/safesage/stats)')" % STATUS_JS,
-                          timeout=30_000)
-    shown = page.evaluate(STATUS_JS)
-    stats = json.loads(shown.split("\n", 1)[1])
-    assert stats["attention_calls"] == comfy.safesage_stats()["attention_calls"] > 0
-    assert stats["plans"] and "fallback_reasons" in stats
-    assert page.evaluate(VISIBLE_STATUS_JS, "run statistics (/safesage/stats)")
+    wait_panel_refreshed(page, refreshes)
+    stats = comfy.safesage_stats()
+    panel = panel_text(page)
+    assert panel["total"].startswith("%d attention calls, %d fallbacks" % (stats["attention_calls"], stats["fallbacks"])), panel
+    plans = {k[len("plan:"):]: v for k, v in stats.items() if k.startswith("plan:")}
+    assert plans and {r[0]: int(r[1]) for r in panel["plans"]} == plans, (panel["plans"], plans)
+    assert panel["quality"] == [] and "{" not in panel["text"], panel["text"]     # no raw JSON shown
+    assert page.evaluate(STATUS_JS) == status, "the panel changed the node's status"
+    assert page.evaluate(VISIBLE_STATUS_JS, "SafeSage: ")
+    close_sidebar_panel(page)
     # the extension's own complaints (it logs with a "[SafeSage]" prefix) and uncaught errors in it
     errors = [l for l in page.safesage_console
               if (l.startswith(("error:", "warning:")) and "[SafeSage]" in l)
@@ -184,17 +198,113 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     print("[browser] node search -> queue -> status -> stats in %.1f s" % (time.monotonic() - t0))
 
 
-def test_frontend_converts_the_ui_example_to_the_api_copy(page, comfy):
-    """ComfyUI's own frontend loads the UI template and turns it into the API copy's prompt."""
-    if not has_minimax_h3():
-        pytest.skip("the H3 example's node types need a ComfyUI with MiniMax H3 (0dd9b154 or later)")
-    ui = json.loads((REPO / "example_workflows" / (NAME + ".json")).read_text())
-    api = json.loads((REPO / "example_workflows" / "api" / (NAME + ".json")).read_text())
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_frontend_converts_the_ui_template_to_the_api_copy(page, comfy, name):
+    """ComfyUI's own frontend loads each UI template and turns it into the API copy's prompt."""
+    if name == H3 and not has_minimax_h3():
+        pytest.skip("the H3 template's node types need a ComfyUI with MiniMax H3 (0dd9b154 or later)")
+    ui = json.loads((REPO / "example_workflows" / (name + ".json")).read_text())
+    api = json.loads((REPO / "example_workflows" / "api" / (name + ".json")).read_text())
     got = page.evaluate("async (wf) => { await app.loadGraphData(wf); return (await app.graphToPrompt()).output; }", ui)
     assert sorted(got) == sorted(api)
     for nid, node in api.items():
         assert got[nid]["class_type"] == node["class_type"]
         want, have = canonical_inputs(node["inputs"]), canonical_inputs(got[nid]["inputs"])
-        for name, value in want.items():
-            assert have.get(name) == value, (nid, name, have)
+        for name_, value in want.items():
+            assert have.get(name_) == value, (nid, name_, have)
 
+
+# the template as the template browser opens it: fetched from ComfyUI's route, then loaded
+LOAD_TEMPLATE_JS = """async ([pack, name]) => {
+    const r = await fetch('/api/workflow_templates/' + pack + '/' + name + '.json');
+    if (!r.ok) throw new Error('template route: HTTP ' + r.status);
+    const wf = await r.json();
+    await app.loadGraphData(wf, true, true, name);
+    const missing = [...new Set(wf.nodes.map((n) => n.type))].filter((t) => !LiteGraph.registered_node_types[t]);
+    return {missing, types: app.graph._nodes.map((n) => n.type)};
+}"""
+# each loader's / image loader's file widget, and whether its value is one this server lists
+FILE_WIDGETS_JS = """(names) => app.graph._nodes.flatMap((n) => (n.widgets ?? [])
+    .filter((w) => names.includes(w.name))
+    .map((w) => {
+        const opts = typeof w.options?.values === 'function' ? w.options.values() : w.options?.values;
+        return {node: n.type, title: n.title, widget: w.name, value: w.value,
+                listed: Array.isArray(opts) && opts.includes(w.value)};
+    }))"""
+FILE_WIDGET_NAMES = ["unet_name", "clip_name", "vae_name", "image"]
+
+
+def _place_files(comfy, ui: dict) -> list[str]:
+    """Empty placeholder files of every model file the template names, in the server's models/
+    folders, and ComfyUI's own input/example.png in its input folder."""
+    placed = []
+    for n in ui["nodes"]:
+        for m in n.get("properties", {}).get("models", []):
+            d = comfy.base / "models" / m["directory"]
+            d.mkdir(parents=True, exist_ok=True)
+            if not (d / m["name"]).exists():
+                (d / m["name"]).write_bytes(b"")
+            placed.append("%s/%s" % (m["directory"], m["name"]))
+    (comfy.base / "input").mkdir(exist_ok=True)
+    shutil.copyfile(comfy_root() / "input" / "example.png", comfy.base / "input" / "example.png")
+    return placed
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_template_loads_with_no_missing_node_and_thumbnail(page, comfy, name, tmp_path):
+    """Each template, from ComfyUI's template route: every node type is known to this frontend (no
+    missing-node error), its loaders carry the download entries make_ui_workflow.MODELS has; with
+    placeholder files of its names, every file widget names a file this server lists (no red
+    node), and that canvas is the template's thumbnail."""
+    if name == H3 and not has_minimax_h3():
+        pytest.skip("the H3 template's node types need a ComfyUI with MiniMax H3 (0dd9b154 or later)")
+    ui = json.loads((REPO / "example_workflows" / (name + ".json")).read_text())
+    close_sidebar_panel(page)
+    got = page.evaluate(LOAD_TEMPLATE_JS, [PACK_DIR_NAME, name])
+    page.wait_for_timeout(500)
+    page.keyboard.press("Escape")          # an older frontend's missing-models dialog (modal)
+    assert got["missing"] == [], "node types this frontend does not know: %s" % got["missing"]
+    assert sorted(got["types"]) == sorted(n["type"] for n in ui["nodes"])
+    entries = page.evaluate("() => app.graph._nodes.flatMap((n) => n.properties?.models ?? [])")
+    assert entries and {e["name"]: (e["url"], e["directory"]) for e in entries} == \
+        {k: v for k, v in MODELS.items() if k in {e["name"] for e in entries}}
+
+    placed = _place_files(comfy, ui)
+    page.evaluate("async () => { await app.refreshComboInNodes(); }")
+    page.evaluate(LOAD_TEMPLATE_JS, [PACK_DIR_NAME, name])
+    files = page.evaluate(FILE_WIDGETS_JS, FILE_WIDGET_NAMES)
+    assert len(files) == len(placed) + sum(n["type"] == "LoadImage" for n in ui["nodes"]), (files, placed)
+    unlisted = [f for f in files if not f["listed"]]
+    assert not unlisted, "file widgets naming a file the server does not list: %s" % unlisted
+
+    # the thumbnail: the template's own view, no minimap, no toasts or error panels
+    spec = SPECS[name]
+    page.evaluate("""(ds) => {
+        app.extensionManager?.setting?.set?.('Comfy.Minimap.Visible', false);
+        app.canvas.ds.scale = ds.scale; app.canvas.ds.offset = [...ds.offset];
+        app.canvas.setDirty(true, true);
+    }""", spec["view"])
+    hide_overlays(page)
+    page.mouse.move(1590, 890)            # no hover highlight
+    page.wait_for_timeout(1500)
+    out = (REPO / "example_workflows" / (name + ".jpg")) if UPDATE else tmp_path / (name + ".jpg")
+    page.screenshot(path=str(out), type="jpeg", quality=80, clip=spec["thumb_clip"])
+    assert out.stat().st_size > 10_000
+
+
+def test_stats_panel_degrades_to_a_floating_panel(page, comfy):
+    """On a frontend with neither sidebar nor bottom-panel tabs the command opens the same panel
+    floating over the canvas (web/safesage.js openFloatingStatsPanel, the path registerPanel()
+    falls back to); closed with its x button."""
+    page.keyboard.press("Escape")          # no dialog left open over the page
+    page.evaluate("""async () => {
+        const m = await import('/extensions/%s/safesage.js');
+        m.openFloatingStatsPanel();
+    }""" % PACK_DIR_NAME)
+    page.wait_for_function("() => document.querySelector('#safesage-stats-floating [data-safesage=attention-total]')",
+                           timeout=30_000)
+    stats = comfy.safesage_stats()
+    text = page.evaluate("() => document.querySelector('#safesage-stats-floating').innerText")
+    assert ("%d attention calls" % stats["attention_calls"]) in text and "Copy JSON" in text, text
+    page.locator("#safesage-stats-floating button[title=Close]").click(timeout=10_000)
+    page.wait_for_function("() => !document.querySelector('#safesage-stats-floating')", timeout=10_000)

@@ -14,12 +14,14 @@ Marked `browser`.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pytest
 
-from browser import open_comfy
+from browser import hide_overlays, open_comfy
+from stats_panel import open_sidebar_panel, panel_refreshes, panel_text, wait_panel_refreshed
 from tools.harness.comfy_graphs import h3_graph
 from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
                                         has_minimax_h3)
@@ -50,6 +52,37 @@ VISIBLE_JS = """(line) => [...document.querySelectorAll('textarea')].some((t) =>
         && t.scrollTop + t.clientHeight >= t.scrollHeight - 2;
 })"""
 EVENT_LOG = "[SafeSage] quality guard, "     # web/safesage.js logs each event it shows
+PANEL_SHOT = REPO / "docs" / "safesage_stats_panel.png"   # SAFESAGE_UPDATE_SCREENSHOTS=1 rewrites it
+
+
+def _fmt(v) -> str:
+    return "%.3f" % v
+
+
+def _assert_panel_shows(page, stats: dict) -> dict:
+    """The panel's quality table is stats' quality_last_run, row by row; the rest of its numbers
+    are stats' too."""
+    panel = panel_text(page)
+    last = stats["quality_last_run"]
+    blocks = last["choices"]["blocks"]
+    assert panel["summary"] == last["summary"], (panel["summary"], last["summary"])
+    assert [r["block"] for r in panel["quality"]] == [b["block"] for b in blocks] == list(range(BLOCKS))
+    for row, b in zip(panel["quality"], blocks):
+        runs = "%s (%s)" % (b["family"], _fmt(b["error"])) if b["moved"] else b["family"]
+        assert row["cells"] == [str(b["block"]), b["planned"], _fmt(b["planned_error"]), _fmt(b["target"]), runs], (row, b)
+        assert row["why"] == b["why"] and row["moved"] == b["moved"], (row, b)
+    moved = [r["block"] for r in panel["quality"] if r["moved"]]
+    assert moved == list(OUTLIERS), panel["quality"]
+    assert all(r["cells"][4].startswith("fake_kitchen (") for r in panel["quality"] if r["moved"])
+    assert all(r["cells"][1] == r["cells"][4] == "fake_sage" for r in panel["quality"] if not r["moved"])
+    assert panel["total"].startswith("%d attention calls" % stats["attention_calls"]), panel["total"]
+    plans = {k[len("plan:"):]: v for k, v in stats.items() if k.startswith("plan:")}
+    assert {r[0]: int(r[1]) for r in panel["plans"]} == plans and plans
+    mlp = {r[0]: r[1] for r in panel["mlp"]}
+    assert mlp["MLPs patched"] == str(stats["mlp_patched"]) and mlp["chunks"] == str(stats["mlp"]["chunks"]), mlp
+    assert panel["fallbacks"] == [] and panel["disabled"] == [] and "none: every call ran its plan" in panel["text"]
+    assert "{" not in panel["text"], "raw JSON in the panel"
+    return panel
 
 
 @pytest.fixture(scope="module")
@@ -116,15 +149,38 @@ def test_last_run_line_under_the_status_after_a_run_with_moved_blocks(qserver, t
             app.canvas.setDirty(true, true);
         }""")
 
+        # the SafeSage sidebar tab, opened before any run: nothing measured yet
+        page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.url)
+        open_sidebar_panel(page)
+        wait_panel_refreshed(page, 0)
+        assert panel_text(page)["quality"] == [] and "no run measured yet" in panel_text(page)["text"]
+        refreshes = panel_refreshes(page)
+
         text = _run_from_frontend(page, server, console, 6101)
-        summary = server.safesage_stats()["quality_last_run"]["summary"]
+        stats = server.safesage_stats()
+        summary = stats["quality_last_run"]["summary"]
         assert summary.startswith(f"last run: blocks {OUTLIERS[0]}-{OUTLIERS[-1]} → fake_kitchen, "), summary
         lines = text.split("\n")
         assert lines[0].startswith("SafeSage: ") and "quality: balanced" in text, text      # the status, kept
         assert lines[-1] == summary and sum(l.startswith("last run: ") for l in lines) == 1, text
         assert page.evaluate(VISIBLE_JS, summary), "the last-run line is not in a visible box on the node"
         status = "\n".join(lines[:-1])
-        page.screenshot(path=str(tmp_path / "quality_last_run.png"))
+        wait_panel_refreshed(page, refreshes)          # at the run's end, without a click
+        page.wait_for_function("(s) => document.querySelector('[data-safesage=quality-summary]')?.innerText === s",
+                               arg=summary, timeout=30_000)
+        _assert_panel_shows(page, server.safesage_stats())
+        # the panel beside the node with its last-run line (the sidebar covers the canvas' left part)
+        page.evaluate("() => { app.canvas.ds.offset = [400, 120]; app.canvas.setDirty(true, true); }")
+        hide_overlays(page)
+        page.wait_for_timeout(500)
+        shot = PANEL_SHOT if os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1" else tmp_path / PANEL_SHOT.name
+        page.screenshot(path=str(shot), clip={"x": 0, "y": 40, "width": 1060, "height": 860})
+        # the raw JSON only through the copy button
+        page.locator("[data-safesage=copy]").first.click(timeout=10_000)
+        copied = json.loads(page.evaluate("() => navigator.clipboard.readText()"))
+        assert copied["quality_last_run"] == server.safesage_stats()["quality_last_run"]
+        assert copied["attention_calls"] == server.safesage_stats()["attention_calls"]
+        refreshes = panel_refreshes(page)
 
         # again with another seed: the SafeSage node's output is cached (it does not run, its status is
         # not written again); the new run's line replaces the old one, the status stays
@@ -135,6 +191,10 @@ def test_last_run_line_under_the_status_after_a_run_with_moved_blocks(qserver, t
         summary2 = server.safesage_stats()["quality_last_run"]["summary"]
         assert text2 == status + "\n" + summary2, (text2, status, summary2)
         assert page.evaluate(VISIBLE_JS, summary2)
+        wait_panel_refreshed(page, refreshes)
+        page.wait_for_function("(s) => document.querySelector('[data-safesage=quality-summary]')?.innerText === s",
+                               arg=summary2, timeout=30_000)
+        _assert_panel_shows(page, server.safesage_stats())
     errors = [l for l in console if (l.startswith(("error:", "warning:")) and "[SafeSage]" in l)
               or (l.startswith("pageerror:") and "safesage" in l.lower())]
     assert not errors, errors

@@ -1,43 +1,77 @@
-"""example_workflows/: the UI-format template ComfyUI's template browser lists, its thumbnail, and
-the API-format copy. Pure JSON checks here; tests/comfy/test_comfy_example_workflow.py converts
-the UI file to an API prompt against a real ComfyUI's /object_info, and
-tests/browser/test_browser_frontend.py lets the frontend itself convert it."""
+"""example_workflows/: the UI-format templates ComfyUI's template browser lists, their thumbnails,
+the API-format copies, and the download entries of every model file they name. Pure JSON checks
+here (no URL is ever fetched: only its form is checked); tests/comfy/test_comfy_example_workflow.py
+converts each UI file to an API prompt against a real ComfyUI's /object_info and runs the quick-start
+template on generated tiny models of its file names, and tests/browser/test_browser_frontend.py lets
+the frontend itself load them."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 WF = REPO / "example_workflows"
-NAME = "minimax_h3_ref2va_safesage"
+H3 = "minimax_h3_ref2va_safesage"
+QUICK = "safesage_quickstart_lotus_depth"
+NAMES = [H3, QUICK]
+
+#: the ComfyUI models/ folder each loader reads its file from, and the widget that names it
+LOADERS = {"UNETLoader": ("unet_name", "diffusion_models"), "CLIPLoader": ("clip_name", "text_encoders"),
+           "VAELoader": ("vae_name", "vae")}
+KNOWN_DIRECTORIES = {"diffusion_models", "text_encoders", "vae", "checkpoints", "loras", "clip_vision"}
+#: where each template's files come from (the Hugging Face repositories README cites)
+REPOS = {H3: {"Comfy-Org/MiniMax-H3"}, QUICK: {"Comfy-Org/lotus", "stabilityai/sd-vae-ft-mse-original"}}
+SAFESAGE_DEFAULTS = ["auto", "auto", 16384, "first", False, "balanced", 0, 0]
+FRONTEND_ONLY = {"MarkdownNote", "Note"}      # the frontend's own nodes: never in a prompt
 
 
-def load_ui() -> dict:
-    return json.loads((WF / (NAME + ".json")).read_text())
+def load_ui(name: str) -> dict:
+    return json.loads((WF / (name + ".json")).read_text())
 
 
-def load_api() -> dict:
-    return json.loads((WF / "api" / (NAME + ".json")).read_text())
+def load_api(name: str) -> dict:
+    return json.loads((WF / "api" / (name + ".json")).read_text())
+
+
+def nodes_of(ui: dict, type_: str) -> list[dict]:
+    return [n for n in ui["nodes"] if n["type"] == type_]
+
+
+def source(ui: dict, node: dict, input_name: str):
+    """(node, slot) that feeds ``input_name`` of ``node``, or None."""
+    links = {l[0]: l for l in ui["links"]}
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    inp = next(i for i in node["inputs"] if i["name"] == input_name)
+    if inp.get("link") is None:
+        return None
+    lid, src, slot, *_ = links[inp["link"]]
+    return nodes[src], slot
 
 
 def test_template_browser_sees_only_ui_workflows():
     """ComfyUI lists example_workflows/*.json (not sub-folders) and opens only the UI format."""
     listed = sorted(p.name for p in WF.glob("*.json"))
-    assert listed == [NAME + ".json"]
+    assert listed == sorted(n + ".json" for n in NAMES)
+    assert sorted(p.name for p in (WF / "api").glob("*.json")) == listed
     for p in WF.glob("*.json"):
         wf = json.loads(p.read_text())
         assert isinstance(wf.get("nodes"), list) and isinstance(wf.get("links"), list), p
 
 
-def test_thumbnail_next_to_the_template():
+@pytest.mark.parametrize("name", NAMES)
+def test_thumbnail_next_to_the_template(name):
     """The frontend asks for /api/workflow_templates/<pack>/<name>.jpg."""
-    jpg = (WF / (NAME + ".jpg")).read_bytes()
-    assert jpg[:3] == b"\xff\xd8\xff" and len(jpg) < 400_000
+    jpg = (WF / (name + ".jpg")).read_bytes()
+    assert jpg[:3] == b"\xff\xd8\xff" and 10_000 < len(jpg) < 400_000
 
 
-def test_ui_format_is_consistent():
-    ui = load_ui()
+@pytest.mark.parametrize("name", NAMES)
+def test_ui_format_is_consistent(name):
+    ui = load_ui(name)
     nodes = {n["id"]: n for n in ui["nodes"]}
     assert len(nodes) == len(ui["nodes"]) and ui["last_node_id"] >= max(nodes)
     assert ui["last_link_id"] >= max(l[0] for l in ui["links"])
@@ -57,27 +91,153 @@ def test_ui_format_is_consistent():
                 assert links[lid][0] == n["id"]
 
 
-def test_safesage_between_loader_and_every_model_consumer():
-    ui = load_ui()
-    nodes = {n["id"]: n for n in ui["nodes"]}
-    by_type = {}
+def _url_problem(url: str, name: str, directory: str) -> str | None:
+    """Why ``url`` is not a direct Hugging Face download of ``name``, or None (form only)."""
+    m = re.fullmatch(r"https://huggingface\.co/([\w.-]+/[\w.-]+)/resolve/main/(?:[\w.-]+/)*([\w.-]+)", url)
+    if not m:
+        return "not https://huggingface.co/<owner>/<repo>/resolve/main/<path>"
+    if m.group(2) != name:
+        return "the URL's file is %s, not %s" % (m.group(2), name)
+    if directory not in KNOWN_DIRECTORIES:
+        return "directory %r is no ComfyUI models/ folder" % directory
+    return None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_model_file_has_a_download_entry(name):
+    """Each loader's file is in its node's ``properties.models`` (name, url, directory) -- what the
+    frontend's missing-models dialog offers to download -- with an https Hugging Face ``resolve/``
+    URL of that file, the loader's own models/ folder, from the template's source repository."""
+    ui = load_ui(name)
+    seen = set()
     for n in ui["nodes"]:
-        by_type.setdefault(n["type"], []).append(n)
-    (loader,), (ss,) = by_type["UNETLoader"], by_type["SafeSageAttention"]
+        entries = n.get("properties", {}).get("models", [])
+        if n["type"] in LOADERS:
+            widget, directory = LOADERS[n["type"]]
+            file = n["widgets_values"][0]
+            assert [e["name"] for e in entries] == [file], (n["type"], file, entries)
+            assert entries[0]["directory"] == directory, entries
+        for e in entries:
+            assert set(e) == {"name", "url", "directory"}, e
+            problem = _url_problem(e["url"], e["name"], e["directory"])
+            assert problem is None, (e, problem)
+            repo = re.match(r"https://huggingface\.co/([^/]+/[^/]+)/", e["url"]).group(1)
+            assert repo in REPOS[name], (e["url"], REPOS[name])
+            seen.add(e["name"])
+    api_files = {v for node in load_api(name).values() for k, v in node["inputs"].items()
+                 if k in {w for w, _ in LOADERS.values()}}
+    assert seen == api_files and seen, (seen, api_files)
+
+
+def test_the_url_check_refuses_what_it_must():
+    """The form check above is not vacuous."""
+    ok = "https://huggingface.co/Comfy-Org/lotus/resolve/main/lotus-depth-d-v1-1.safetensors"
+    assert _url_problem(ok, "lotus-depth-d-v1-1.safetensors", "diffusion_models") is None
+    assert _url_problem(ok.replace("https", "http"), "lotus-depth-d-v1-1.safetensors", "diffusion_models")
+    assert _url_problem(ok.replace("/resolve/", "/blob/"), "lotus-depth-d-v1-1.safetensors", "diffusion_models")
+    assert _url_problem(ok, "other.safetensors", "diffusion_models")
+    assert _url_problem(ok, "lotus-depth-d-v1-1.safetensors", "unet_models")
+    assert _url_problem(ok + "?download=true", "lotus-depth-d-v1-1.safetensors", "diffusion_models")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_note_links_the_same_files(name):
+    """The template's note names every download its loaders carry (for a frontend without the
+    missing-models dialog)."""
+    ui = load_ui(name)
+    (note,) = nodes_of(ui, "MarkdownNote")
+    text = note["widgets_values"][0]
+    for n in ui["nodes"]:
+        for e in n.get("properties", {}).get("models", []):
+            assert "[%s](%s)" % (e["name"], e["url"]) in text, e
+
+
+@pytest.mark.parametrize("name,consumers", [
+    (H3, ["BasicGuider", "BasicScheduler", "SafeSagePreflight"]),
+    (QUICK, ["BasicGuider", "BasicScheduler"]),
+])
+def test_safesage_between_loader_and_every_model_consumer(name, consumers):
+    ui = load_ui(name)
+    nodes = {n["id"]: n for n in ui["nodes"]}
+    (loader,), (ss,) = nodes_of(ui, "UNETLoader"), nodes_of(ui, "SafeSageAttention")
     model_links = [l for l in ui["links"] if l[5] == "MODEL"]
     from_loader = [l for l in model_links if l[1] == loader["id"]]
     assert [(l[3], l[4]) for l in from_loader] == [(ss["id"], 0)], "the loader's MODEL goes only to SafeSage"
-    consumers = [l for l in model_links if l[1] != loader["id"]]
-    assert consumers and all(l[1] == ss["id"] for l in consumers)
-    assert sorted(nodes[l[3]]["type"] for l in consumers) == ["BasicGuider", "BasicScheduler"]
-    assert ss["widgets_values"] == ["auto", "auto", 16384, "first", False]
+    others = [l for l in model_links if l[1] != loader["id"]]
+    assert others and all(l[1] == ss["id"] for l in others)
+    assert sorted(nodes[l[3]]["type"] for l in others) == consumers
+    assert ss["widgets_values"] == SAFESAGE_DEFAULTS      # all 8 inputs, at their defaults
 
 
-def test_api_copy_has_the_same_wiring():
-    api = load_api()
+def test_h3_template_holds_preflight_for_its_own_size():
+    """SafeSage Preflight reports the graph's own size: width, height and length come from the
+    same primitive nodes as the H3 node's; its model is SafeSage's; ref_images counts the
+    reference images wired into the H3 node."""
+    ui = load_ui(H3)
+    (pf,), (h3,), (ss,) = (nodes_of(ui, t) for t in ("SafeSagePreflight", "MiniMaxH3ReferenceToVideo",
+                                                      "SafeSageAttention"))
+    assert source(ui, pf, "model") == (ss, 0)
+    size = {}
+    for k in ("width", "height", "length"):
+        src = source(ui, pf, k)
+        assert src is not None and src == source(ui, h3, k), k
+        assert src[0]["type"] == "PrimitiveInt"
+        size[k] = src[0]["widgets_values"][0]
+    assert size == {"width": 1664, "height": 960, "length": 362}
+    refs = [i for i in h3["inputs"] if i["name"].startswith("ref_images.") and i.get("link") is not None]
+    widgets = dict(zip(["width", "height", "length", "ref_images", "text_tokens"], pf["widgets_values"]))
+    assert widgets["ref_images"] == len(refs) == 3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_image_nodes_say_what_to_load(name):
+    """Each LoadImage starts on example.png (it ships with ComfyUI, so the template runs as
+    shipped) and its title says what to load."""
+    ui = load_ui(name)
+    images = nodes_of(ui, "LoadImage")
+    assert images
+    for n in images:
+        assert n["widgets_values"][0] == "example.png", n
+        assert re.search(r"\bload\b", n.get("title", ""), re.I), n.get("title")
+    titles = [n["title"] for n in images]
+    assert len(set(titles)) == len(titles)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_api_copy_has_the_same_nodes(name):
+    """The API copy holds the UI template's nodes (minus the frontend's own) with the same types."""
+    ui, api = load_ui(name), load_api(name)
+    want = {str(n["id"]): n["type"] for n in ui["nodes"] if n["type"] not in FRONTEND_ONLY}
+    assert {k: v["class_type"] for k, v in api.items()} == want
+
+
+def test_h3_api_copy_is_the_reporters_graph_with_safesage_and_preflight():
+    api = load_api(H3)
     ss = [k for k, v in api.items() if v["class_type"] == "SafeSageAttention"]
     assert len(ss) == 1 and api[ss[0]]["inputs"]["model"] == ["1", 0]
     users = sorted(v["class_type"] for v in api.values() if v["inputs"].get("model") == [ss[0], 0])
+    assert users == ["BasicGuider", "BasicScheduler", "SafeSagePreflight"]
+    h3 = api["6"]["inputs"]
+    size = {k: api[h3[k][0]]["inputs"]["value"] for k in ("width", "height", "length")}
+    assert size == {"width": 1664, "height": 960, "length": 362}          # the reporter's size
+    pf = next(v for v in api.values() if v["class_type"] == "SafeSagePreflight")["inputs"]
+    assert all(pf[k] == h3[k] for k in ("width", "height", "length"))
+
+
+def test_quickstart_api_copy_runs_lotus_through_safesage():
+    api = load_api(QUICK)
+    ss = [k for k, v in api.items() if v["class_type"] == "SafeSageAttention"]
+    assert len(ss) == 1
+    users = sorted(v["class_type"] for v in api.values() if v["inputs"].get("model") == [ss[0], 0])
     assert users == ["BasicGuider", "BasicScheduler"]
-    # the reporter's graph otherwise unchanged
-    assert api["6"]["inputs"]["width"] == 1664 and api["6"]["inputs"]["length"] == 362
+    assert api[api[ss[0]]["inputs"]["model"][0]]["inputs"]["unet_name"] == "lotus-depth-d-v1-1.safetensors"
+
+
+def test_readme_cites_where_the_files_come_from():
+    """README names both templates and the pages their model files were taken from."""
+    readme = (REPO / "README.md").read_text()
+    for name in NAMES:
+        assert "example_workflows/%s.json" % name in readme, name
+    for repos in REPOS.values():
+        for repo in repos:
+            assert "https://huggingface.co/%s" % repo in readme, repo
