@@ -18,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_quality_guard import (B, BENIGN, H, NB, OUTLIERS, SDPA, blocks, comfy_fn, end_run, fake_sage_out,  # noqa: F401
-                                fq, fresh, make, rel, schedule, stats, choices)
+from test_quality_guard import (BENIGN, H, NB, OUTLIERS, SDPA, blocks, comfy_fn, end_run, fake_sage_out,  # noqa: F401
+                                make, rel, schedule, stats, choices)
 
 
 def _wrapped(kind, fn):

@@ -10,53 +10,14 @@ and the run ends as patch.py's OUTER_SAMPLE wrapper ends it.
 """
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-HERE = Path(__file__).resolve().parent
 NB, OUTLIERS, BENIGN = 8, (6, 7), tuple(range(6))
 B, H, S, D = 1, 4, 2048, 32
 SDPA = torch.nn.functional.scaled_dot_product_attention
-
-
-@pytest.fixture(scope="module")
-def fq():
-    """The fake families registered as a server started with SAFESAGE_EXTRA_FAMILIES has them
-    (the registry reads the variable when first imported: reloaded here, and back after)."""
-    from safe_ops.families import envelope, registry
-    sys.path.insert(0, str(HERE))
-    old = os.environ.get(registry.EXTRA_FAMILIES_VARIABLE)
-    os.environ[registry.EXTRA_FAMILIES_VARIABLE] = "fake_quality_families"
-    importlib.reload(registry)
-    import fake_quality_families
-    assert fake_quality_families.SAGE in registry.families()
-    yield fake_quality_families
-    if old is None:
-        os.environ.pop(registry.EXTRA_FAMILIES_VARIABLE, None)
-    else:
-        os.environ[registry.EXTRA_FAMILIES_VARIABLE] = old
-    importlib.reload(registry)
-    for name in (fake_quality_families.SAGE, fake_quality_families.KITCHEN):
-        envelope.FAMILIES.pop(name, None)
-    sys.path.remove(str(HERE))
-
-
-@pytest.fixture
-def fresh(fq):
-    from safe_ops.facts import compiler
-    from safe_ops.ui import run_stats
-    run_stats.reset()
-    compiler.new_run()
-    for k in fq.LAUNCHES:
-        fq.LAUNCHES[k] = 0
-    yield fq
-    compiler.new_run()
 
 
 def blocks():

@@ -23,10 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib
-import os
 import sys
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
 import pytest
@@ -35,46 +32,11 @@ torch = pytest.importorskip("torch")
 
 from safe_ops.quality.targets import BALANCED_FACTOR, BlockErrors, decide  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 SDPA = torch.nn.functional.scaled_dot_product_attention
 B, H, D = 1, 4, 32
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="module")
-def fq():
-    """The fake families registered as a server started with SAFESAGE_EXTRA_FAMILIES has them
-    (the registry reads the variable when first imported: reloaded here, and back after)."""
-    from safe_ops.families import envelope, registry
-    sys.path.insert(0, str(HERE))
-    old = os.environ.get(registry.EXTRA_FAMILIES_VARIABLE)
-    os.environ[registry.EXTRA_FAMILIES_VARIABLE] = "fake_quality_families"
-    importlib.reload(registry)
-    import fake_quality_families
-    assert fake_quality_families.SAGE in registry.families()
-    yield fake_quality_families
-    if old is None:
-        os.environ.pop(registry.EXTRA_FAMILIES_VARIABLE, None)
-    else:
-        os.environ[registry.EXTRA_FAMILIES_VARIABLE] = old
-    importlib.reload(registry)
-    for name in (fake_quality_families.SAGE, fake_quality_families.KITCHEN):
-        envelope.FAMILIES.pop(name, None)
-    sys.path.remove(str(HERE))
-
-
-@pytest.fixture
-def fresh(fq):
-    from safe_ops.facts import compiler
-    from safe_ops.ui import run_stats
-    run_stats.reset()
-    compiler.new_run()
-    for k in fq.LAUNCHES:
-        fq.LAUNCHES[k] = 0
-    yield fq
-    compiler.new_run()
-
-
 # ------------------------------------------------------------------------------------------------ helpers
 def make_blocks(n, seq, outliers, factor=64, seed=0):
     """``n`` blocks of (q, k, v) [B,H,seq,D]; in each outlier block 4 of D q/k channels x ``factor``

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 from safe_ops.quality.outcome import summary  # noqa: E402
 from safe_ops.ui import events  # noqa: E402
-from test_quality_guard import NB, OUTLIERS, blocks, forward, fq, fresh, make, sample, schedule, stats  # noqa: E402,F401
+from test_quality_guard import NB, OUTLIERS, blocks, forward, make, sample, schedule, stats  # noqa: E402,F401
 
 
 def entry(block, planned="sage2", error=0.01, family=None, target=0.045):
