@@ -21,6 +21,11 @@ fails the prompt. In a real headless ComfyUI (CPU, tiny models), with one server
    The injector collects garbage before each prompt's run, so a function called once per live
    object (QualityGuard.run_end, per guard in a WeakSet) runs as often as it was recorded; a case
    whose fault is never reached fails, saying how often the function ran.
+4. The guarded path (test_fault_injection_guarded_quality_every_function_contained): a second
+   server whose SafeSage runs the tests' fake guarded CPU families with the quality guard on, so
+   that the planner, executor, first-call check, the guard's measurement and choice run -- and are
+   injected; its latent bound is in that test's docstring. (The servers above have no guarded
+   kernel on the CPU: every attention call is handed to ComfyUI unread.)
 
 CHUNK_TOL: a faulted MLP call runs ComfyUI's unchunked forward on the whole input instead of the
 chunked one; both compute every row with the same fp32 operations, only the matmul's blocking
@@ -34,8 +39,8 @@ a CPU where chunked and unchunked happen to round identically (measured 0) -- an
 below what any wrong fallback moves (the tiny H3's MLP changes one forward's output by > 2%,
 test_comfy_h3.py). Nothing in the bound is a number from one CPU.
 
-Run time (one server, tiny models, one sampling step per prompt, about 180 prompts): see
-docs/DEVELOPING.md.
+Run time (the session's server: tiny models, one sampling step per prompt; the guarded server:
+three steps per prompt): see docs/DEVELOPING.md.
 """
 
 from __future__ import annotations
@@ -49,8 +54,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tools.harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, sd2_graph
-from tools.harness.comfy_server import execution_error
+from tools.harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, sd2_graph, stats_delta
+from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
+                                        execution_error, has_minimax_h3)
 
 CHUNK_TOL_FACTOR = 4.0
 CHUNK_TOL_FLOOR = 1e-4
@@ -122,11 +128,17 @@ def _record(comfy, make_graph, name: str, expected) -> dict:
 
 
 def _run_suite(comfy, make_graph, name: str, expected, tol: float, chunked: bool,
-               covered: frozenset = frozenset(), second_calls: bool = True) -> dict:
+               covered: frozenset = frozenset(), second_calls: bool = True, judge=None, counters=None,
+               check_recording=None) -> dict:
     """Record, then inject into every recorded function in turn (but those in ``covered``).
     ``make_graph(out_name)`` is the SafeSage graph; ``expected`` the latents every prompt must give
-    (within ``tol`` where an MLP call fell back, else bitwise). Returns the recording."""
+    (within ``tol`` where an MLP call fell back, else bitwise). ``judge(latents)``, where given,
+    replaces that check: None, or what is wrong with a prompt's latents. ``counters(stats)``: the
+    counters of which at least one must move (default :func:`_errors`). ``check_recording(rec)``
+    runs before the first injection. Returns the recording."""
     rec = _record(comfy, make_graph, name, expected)
+    if check_recording is not None:
+        check_recording(rec)
     recorded = _counts(rec)
     funcs = [f for f in rec["functions"] if f["key"] not in covered]
     assert funcs, "nothing recorded beyond what other prompts cover"
@@ -136,9 +148,10 @@ def _run_suite(comfy, make_graph, name: str, expected, tol: float, chunked: bool
     t0 = time.monotonic()
     for i, (key, only_call) in enumerate(cases):
         tag = "%s_%d" % (name, i)
-        before = _errors(comfy.safesage_stats())
+        count = counters or _errors
+        before = count(comfy.safesage_stats())
         entry = comfy.queue_and_wait(_with_faults(make_graph(tag), "inject", tag, key, only_call))
-        after = _errors(comfy.safesage_stats())
+        after = count(comfy.safesage_stats())
         what = "%s%s" % (key, " (2nd call only)" if only_call else "")
         if entry["status"]["status_str"] != "success":
             failures.append("%s: the prompt failed: %s" % (what, _prompt_error(entry)))
@@ -152,6 +165,11 @@ def _run_suite(comfy, make_graph, name: str, expected, tol: float, chunked: bool
         if sum(after) - sum(before) < 1:
             failures.append("%s: raised %d time(s) but internal_errors did not move (%s -> %s)"
                             % (what, hits, before, after))
+        if judge is not None:
+            wrong = judge(saved_latents(entry))
+            if wrong:
+                failures.append("%s: %s" % (what, wrong))
+            continue
         mlp_fell_back = after[1] > before[1]
         for got, want in zip(saved_latents(entry), expected):
             d = max_rel_diff(got, want)
@@ -202,6 +220,136 @@ def test_fault_injection_h3_chunked_mlp_within_chunking_tolerance(comfy, tiny_h3
                      "fault_h3ch", chunked, tol, True, covered)
     # the chunked MLP's own code is on the recorded path (else this scenario shows nothing of it)
     assert any(f["key"].startswith("safe_ops/models/h3/mlp.py:h3_mlp_forward:") for f in rec["functions"]), rec["functions"]
+
+
+# ----------------------------------------------------------------------------- the guarded path
+GUARDED_BLOCKS, GUARDED_OUTLIERS, GUARDED_FACTOR, GUARDED_STEPS = 6, (4, 5), 32, 3
+FAKE_FAMILIES = "fake_quality_families"
+# the fake families, the guard measuring at step 1 and moving the outlier blocks from step 2; the
+# MLP unchunked (its chunking is injected above: here a latent moves by attention only)
+GUARDED = {"kernel": "sage", "quality": "balanced", "mlp_chunking": "off"}
+GUARDED_TOL_FACTOR = 4.0
+GUARDED_TOL_FLOOR = 1e-4
+# the guarded path's modules and functions the recording must hold (by module and qualified name,
+# which survive a move of the code inside its file)
+GUARDED_MUST_RUN = ("safe_ops/attention/planner.py:", "safe_ops/attention/executor.py:",
+                    "safe_ops/attention/verification.py:", "safe_ops/quality/probe.py:",
+                    "safe_ops/quality/targets.py:", "safe_ops/quality/guard.py:QualityGuard.measure:",
+                    "safe_ops/quality/guard.py:QualityGuard._conclude:",
+                    "safe_ops/quality/guard.py:QualityGuard.forward_start:")
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tmp_path_factory, comfy):   # comfy: the session server's skip reasons apply here too
+    """A server of its own whose SafeSage has guarded kernels on the CPU: the fake families of
+    tests/unit/fake_quality_families.py (SAFESAGE_EXTRA_FAMILIES, that module alone on its
+    PYTHONPATH), and the tiny H3 with outlier blocks -- as tests/comfy/test_comfy_quality.py's
+    server, plus the fault injector's node."""
+    if not has_minimax_h3():
+        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the guarded fault-injection "
+                    "scenario needs a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs it in its "
+                    "0dd9b154 pass" % os.environ.get("COMFYUI_PATH"))
+    path = tmp_path_factory.mktemp("fault_fake_families")
+    (path / ("%s.py" % FAKE_FAMILIES)).symlink_to(REPO / "tests" / "unit" / ("%s.py" % FAKE_FAMILIES))
+    server = ComfyServer(tmp_path_factory.mktemp("comfy_fault_guarded"),
+                         {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name="comfy-fault-guarded",
+                         env={"SAFESAGE_EXTRA_FAMILIES": FAKE_FAMILIES, "PYTHONPATH": str(path)})
+    try:
+        server.start()
+        model = server.make_model("h3", "safesage_tiny_h3_outliers.safetensors", seed=77,
+                                  args=("--blocks", str(GUARDED_BLOCKS),
+                                        "--outlier-blocks", ",".join(map(str, GUARDED_OUTLIERS)),
+                                        "--outlier-factor", str(GUARDED_FACTOR)))
+        assert model["blocks"] == GUARDED_BLOCKS and model["outlier_blocks"] == list(GUARDED_OUTLIERS)
+        yield server, os.path.basename(model["path"])
+    finally:
+        server.stop()
+
+
+def _guarded_counters(stats: dict) -> tuple:
+    """:func:`_errors`, and the counters of a kernel's error on one call: a fault inside
+    ``Executor.run`` (the plan's launches) cannot be told from the kernel's own error there --
+    the call is recomputed with ComfyUI's attention, counted in ``call_fallbacks`` and logged with
+    the fault's message (override.py ``attend_prepared``); in a quality candidate's measurement
+    the candidate is dropped for that block, counted in ``quality_candidate_errors`` and logged
+    (plans.py ``run_family_rows``)."""
+    return _errors(stats) + (int(stats.get("call_fallbacks", 0)), int(stats.get("quality_candidate_errors", 0)))
+
+
+def test_fault_injection_guarded_quality_every_function_contained(guarded_server, seed_counter):
+    """Injection on the guarded path: SafeSage runs the fake CPU families (kernel "sage") with the
+    quality guard on ("balanced"), 3 steps: every block is measured at step 1 (probe.py, targets.py,
+    QualityGuard.measure/_conclude) and the outlier blocks run another family from step 2; each
+    new signature is planned (planner.py), run (executor.py) and its first call checked
+    (verification.py). Every recorded function is made to raise (on every call, and on its 2nd
+    call only where it runs more than once); each prompt must succeed, the fault must be reached,
+    and it must be counted (:func:`_guarded_counters`).
+
+    The latent: a faulted call (or a block whose measurement failed, or a run whose choice was not
+    made) runs ComfyUI's own attention, or keeps the planned fake_sage -- so a faulted prompt's
+    latent is a mix of what the fake kernels and ComfyUI give, not bit-identical to either run.
+    It must be bit-identical to the un-faulted SafeSage run (``ref``), or within ``tol`` of the
+    graph without SafeSage (``plain``): ``measured`` is the larger distance from ``plain`` of the
+    two runs that bracket every mix, ``ref`` and the run with no block moved (quality "faults
+    only": fake_sage on every call, the worst kernel this scenario has); the bound is
+    ``max(4 * measured, 1e-4)``, the factor for rounding and non-additive effects of a mix over
+    three steps, the floor as CHUNK_TOL's. Both distances are measured here, on the CPU the test
+    runs on: no number of the bound comes from another machine. What it catches: a fallback that
+    returns a wrong tensor on the calls a prompt faults (every call of a kind, or the rest of a
+    run) moves the latent by those calls' whole attention output, beyond the bound; one wrong call
+    among a prompt's 18 may stay within it -- the fallback's own code (attention/handoff.py
+    ``_contained``) is the one the scenarios above check bit for bit.
+
+    Not covered here: the opaque op (attention/opaque_op.py) runs only under torch.compile, which
+    this scenario does not use; a compiled scenario may come later."""
+    server, unet = guarded_server
+    seed = seed_counter()
+
+    def graph(out, safesage=GUARDED):
+        return h3_graph(unet, seed, out, safesage=safesage, steps=GUARDED_STEPS)
+
+    plain = saved_latents(server.run(h3_graph(unet, seed, "fault_guarded_plain", steps=GUARDED_STEPS)))
+    before = server.safesage_stats()
+    ref = saved_latents(server.run(graph("fault_guarded_ref")))
+    after = server.safesage_stats()
+    # the scenario holds a moved block (else nothing of the choice's application is on the path)
+    assert stats_delta(before, after, "quality.blocks_moved") == len(GUARDED_OUTLIERS), after["quality"]
+    assert stats_delta(before, after, "quality.probes") == GUARDED_BLOCKS, after["quality"]
+    unmoved = saved_latents(server.run(graph("fault_guarded_unmoved", {**GUARDED, "quality": "faults only"})))
+    measured = max(max(max_rel_diff(r, p), max_rel_diff(u, p)) for r, p, u in zip(ref, plain, unmoved))
+    tol = max(GUARDED_TOL_FACTOR * measured, GUARDED_TOL_FLOOR)
+    print("\n[fault_guarded] SafeSage (fake kernels) vs ComfyUI's latent: max rel diff %.3g; bound %.3g"
+          % (measured, tol))
+    assert not all(torch.equal(r, p) for r, p in zip(ref, plain)), "the fake kernels changed nothing"
+    outcomes = {"ref": 0, "plain": 0, "within": 0}
+    worst = [0.0]
+
+    def judge(latents):
+        if all(torch.equal(g, r) for g, r in zip(latents, ref)):
+            outcomes["ref"] += 1
+            return None
+        if all(torch.equal(g, p) for g, p in zip(latents, plain)):
+            outcomes["plain"] += 1               # every call ran ComfyUI's own attention
+            return None
+        d = max(max_rel_diff(g, p) for g, p in zip(latents, plain))
+        if d <= tol:
+            outcomes["within"] += 1
+            worst[0] = max(worst[0], d)
+            return None
+        return "latent differs from the run without SafeSage by %.3g (bound %.3g) and is not the " \
+               "un-faulted SafeSage run's" % (d, tol)
+
+    def guarded_path_recorded(rec):
+        keys = [f["key"] for f in rec["functions"]]
+        missing = [m for m in GUARDED_MUST_RUN if not any(k.startswith(m) for k in keys)]
+        assert not missing, "the guarded path's recording lacks %s" % missing
+
+    try:
+        _run_suite(server, graph, "fault_guarded", ref, tol, False, judge=judge, counters=_guarded_counters,
+                   check_recording=guarded_path_recorded)
+    finally:
+        print("[fault_guarded] latents: %d as the un-faulted run, %d as the run without SafeSage, %d between "
+              "(within the bound, worst %.3g)" % (outcomes["ref"], outcomes["plain"], outcomes["within"], worst[0]))
 
 
 def _comfy_fault(comfy, graph: dict, tag: str, target: str) -> None:
