@@ -23,13 +23,12 @@ import pytest
 from browser import hide_overlays, open_comfy
 from stats_panel import open_sidebar_panel, panel_refreshes, panel_text, wait_panel_refreshed
 from tools.harness.comfy_graphs import h3_graph
-from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
+from tools.harness.comfy_server import (QUALITY_BLOCKS, QUALITY_OUTLIERS, REPO, fake_quality_server,
                                         has_minimax_h3)
 
 pytestmark = pytest.mark.browser
 
-BLOCKS, OUTLIERS, FACTOR, STEPS = 6, (4, 5), 32, 3
-FAKE = "fake_quality_families"
+BLOCKS, OUTLIERS, STEPS = QUALITY_BLOCKS, QUALITY_OUTLIERS, 3
 SAFESAGE_ID = "10"                      # h3_graph's SafeSageAttention node
 STATUS_JS = """() => {
     const n = app.graph._nodes.find((x) => x.type === 'SafeSageAttention');
@@ -91,19 +90,9 @@ def qserver(tmp_path_factory):
         pytest.skip("COMFYUI_PATH=%s has no MiniMax H3: the quality guard's browser test needs a ComfyUI with "
                     "H3 (0dd9b154 or later); `bash .ci/run` runs it in its 0dd9b154 pass"
                     % os.environ.get("COMFYUI_PATH"))
-    path = tmp_path_factory.mktemp("fake_families")
-    (path / f"{FAKE}.py").symlink_to(REPO / "tests" / "unit" / f"{FAKE}.py")
-    server = ComfyServer(tmp_path_factory.mktemp("browser_quality"),
-                         {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name="browser-quality",
-                         env={"SAFESAGE_EXTRA_FAMILIES": FAKE, "PYTHONPATH": str(path)})
-    try:
-        server.start()
-        model = server.make_model("h3", "safesage_tiny_h3_outliers.safetensors", seed=77,
-                                  args=("--blocks", str(BLOCKS), "--outlier-blocks", ",".join(map(str, OUTLIERS)),
-                                        "--outlier-factor", str(FACTOR)))
-        yield server, os.path.basename(model["path"])
-    finally:
-        server.stop()
+    with fake_quality_server(tmp_path_factory.mktemp("browser_quality"), tmp_path_factory.mktemp("fake_families"),
+                             name="browser-quality") as qs:
+        yield qs
 
 
 def _wait_idle(server, timeout: float = 240) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
-                          comfy_path_problem, has_minimax_h3)
+                          comfy_path_problem, fake_quality_server, has_minimax_h3)
 
 HERE = Path(__file__).resolve().parent
 
@@ -76,32 +76,16 @@ class _Seeds:
 _SEEDS = _Seeds()
 
 
-#: the quality guard's server: the fake guarded families (tests/unit/fake_quality_families.py) and a
-#: tiny H3 whose blocks QUALITY_OUTLIERS drift under fake_sage (k_norm x QUALITY_FACTOR on 2 channels)
-QUALITY_FAKE = "fake_quality_families"
-QUALITY_BLOCKS, QUALITY_OUTLIERS, QUALITY_FACTOR = 6, (4, 5), 32
-
 
 @pytest.fixture(scope="session")
 def quality_server(tmp_path_factory, comfy):   # comfy: the session server's skip reasons apply here too
-    """A second headless ComfyUI, started with SAFESAGE_EXTRA_FAMILIES=fake_quality_families (that
-    module alone on its PYTHONPATH), and the tiny H3 with drifting blocks: (server, model file name).
-    Shared by every test that needs guarded kernels on the CPU (H3 trees only)."""
+    """A second headless ComfyUI with the tests' fake guarded families and the tiny H3 with drifting
+    blocks (tools/harness/comfy_server.fake_quality_server): (server, model file name). Shared by every
+    test that needs guarded kernels on the CPU (H3 trees only)."""
     if not has_minimax_h3():
         pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the quality guard's "
                     "ComfyUI tests need a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs them in its "
                     "0dd9b154 pass" % os.environ.get("COMFYUI_PATH"))
-    path = tmp_path_factory.mktemp("fake_families")
-    (path / f"{QUALITY_FAKE}.py").symlink_to(REPO / "tests" / "unit" / f"{QUALITY_FAKE}.py")
-    server = ComfyServer(tmp_path_factory.mktemp("comfy_quality_shared"),
-                         {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name="comfy-quality-shared",
-                         env={"SAFESAGE_EXTRA_FAMILIES": QUALITY_FAKE, "PYTHONPATH": str(path)})
-    try:
-        server.start()
-        model = server.make_model("h3", "safesage_tiny_h3_outliers.safetensors", seed=77,
-                                  args=("--blocks", str(QUALITY_BLOCKS), "--outlier-blocks",
-                                        ",".join(map(str, QUALITY_OUTLIERS)), "--outlier-factor", str(QUALITY_FACTOR)))
-        assert model["blocks"] == QUALITY_BLOCKS and model["outlier_blocks"] == list(QUALITY_OUTLIERS)
-        yield server, os.path.basename(model["path"])
-    finally:
-        server.stop()
+    with fake_quality_server(tmp_path_factory.mktemp("comfy_quality_shared"),
+                             tmp_path_factory.mktemp("fake_families"), name="comfy-quality-shared") as qs:
+        yield qs

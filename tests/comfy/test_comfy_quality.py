@@ -15,43 +15,23 @@ block, its one-line summary, and the one ``safesage.quality`` websocket event pe
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 
 from tools.harness.comfy_graphs import h3_graph, stats_delta
-from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
-                                        has_minimax_h3)
+from tools.harness.comfy_server import QUALITY_BLOCKS, QUALITY_FACTOR, QUALITY_OUTLIERS
 from tools.harness.comfy_ws import WsListener
 
-BLOCKS, OUTLIERS = 6, (4, 5)
+BLOCKS, OUTLIERS, FACTOR = QUALITY_BLOCKS, QUALITY_OUTLIERS, QUALITY_FACTOR
 STEPS = 3
-FACTOR = 32
-FAKE = "fake_quality_families"
 SAGE, KITCHEN, KITCHEN_ERROR = "fake_sage", "fake_kitchen", 0.006     # fake_quality_families.py
 EVENT = "safesage.quality"
 
 
-@pytest.fixture(scope="module")
-def qserver(tmp_path_factory, comfy):        # comfy: the session server's skip reasons apply here too
-    if not has_minimax_h3():
-        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the quality guard's "
-                    "ComfyUI test needs a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs it in its "
-                    "0dd9b154 pass" % os.environ.get("COMFYUI_PATH"))
-    path = tmp_path_factory.mktemp("fake_families")
-    (path / f"{FAKE}.py").symlink_to(REPO / "tests" / "unit" / f"{FAKE}.py")   # that module alone
-    server = ComfyServer(tmp_path_factory.mktemp("comfy_quality"),
-                         {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name="comfy-quality",
-                         env={"SAFESAGE_EXTRA_FAMILIES": FAKE, "PYTHONPATH": str(path)})
-    try:
-        server.start()
-        model = server.make_model("h3", "safesage_tiny_h3_outliers.safetensors", seed=77,
-                                  args=("--blocks", str(BLOCKS), "--outlier-blocks", ",".join(map(str, OUTLIERS)),
-                                        "--outlier-factor", str(FACTOR)))
-        assert model["blocks"] == BLOCKS and model["outlier_blocks"] == list(OUTLIERS)
-        yield server, os.path.basename(model["path"])
-    finally:
-        server.stop()
+@pytest.fixture
+def qserver(quality_server):
+    """The session's fake-families server (tests/comfy/conftest.py), shared with the other quality tests."""
+    return quality_server
 
 
 def _run(server, unet, seed, quality, ws=None):

@@ -15,7 +15,7 @@ counted is tests/unit/test_quality_compiled.py.
 from __future__ import annotations
 
 from tools.harness.comfy_graphs import h3_graph, stats_delta
-from conftest import QUALITY_BLOCKS, QUALITY_OUTLIERS
+from tools.harness.comfy_server import QUALITY_BLOCKS, QUALITY_OUTLIERS
 
 STEPS = 3
 

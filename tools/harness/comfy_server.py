@@ -114,3 +114,29 @@ def running_pack_server(base: Path, name: str = "comfy", extra_args: tuple = ())
     finally:
         server.stop()
 
+
+
+#: the quality guard's test server: the fake guarded families (tests/unit/fake_quality_families.py) and
+#: a tiny H3 whose blocks QUALITY_OUTLIERS drift under fake_sage (k_norm x QUALITY_FACTOR on 2 channels)
+QUALITY_FAKE = "fake_quality_families"
+QUALITY_BLOCKS, QUALITY_OUTLIERS, QUALITY_FACTOR = 6, (4, 5), 32
+QUALITY_MODEL = "safesage_tiny_h3_outliers.safetensors"
+
+
+@contextmanager
+def fake_quality_server(base: Path, families_dir: Path, name: str = "comfy-quality"):
+    """A started server (H3 trees) with SAFESAGE_EXTRA_FAMILIES=fake_quality_families (that module
+    alone, linked into ``families_dir``, on its PYTHONPATH) and the tiny H3 with drifting blocks:
+    yields (server, the model's file name); stopped on exit."""
+    (families_dir / f"{QUALITY_FAKE}.py").symlink_to(REPO / "tests" / "unit" / f"{QUALITY_FAKE}.py")
+    server = ComfyServer(base, {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name=name,
+                         env={"SAFESAGE_EXTRA_FAMILIES": QUALITY_FAKE, "PYTHONPATH": str(families_dir)})
+    try:
+        server.start()
+        model = server.make_model("h3", QUALITY_MODEL, seed=77,
+                                  args=("--blocks", str(QUALITY_BLOCKS), "--outlier-blocks",
+                                        ",".join(map(str, QUALITY_OUTLIERS)), "--outlier-factor", str(QUALITY_FACTOR)))
+        assert model["blocks"] == QUALITY_BLOCKS and model["outlier_blocks"] == list(QUALITY_OUTLIERS)
+        yield server, os.path.basename(model["path"])
+    finally:
+        server.stop()
