@@ -55,8 +55,8 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tools.harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, sd2_graph, stats_delta
-from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
-                                        execution_error, has_minimax_h3)
+from tools.harness.comfy_server import (QUALITY_BLOCKS, QUALITY_OUTLIERS, execution_error, fake_quality_server,
+                                        has_minimax_h3)
 
 CHUNK_TOL_FACTOR = 4.0
 CHUNK_TOL_FLOOR = 1e-4
@@ -223,8 +223,7 @@ def test_fault_injection_h3_chunked_mlp_within_chunking_tolerance(comfy, tiny_h3
 
 
 # ----------------------------------------------------------------------------- the guarded path
-GUARDED_BLOCKS, GUARDED_OUTLIERS, GUARDED_FACTOR, GUARDED_STEPS = 6, (4, 5), 32, 3
-FAKE_FAMILIES = "fake_quality_families"
+GUARDED_BLOCKS, GUARDED_OUTLIERS, GUARDED_STEPS = QUALITY_BLOCKS, QUALITY_OUTLIERS, 3
 # the fake families, the guard measuring at step 1 and moving the outlier blocks from step 2; the
 # MLP unchunked (its chunking is injected above: here a latent moves by attention only)
 GUARDED = {"kernel": "sage", "quality": "balanced", "mlp_chunking": "off"}
@@ -243,27 +242,15 @@ GUARDED_MUST_RUN = ("safe_ops/attention/planner.py:", "safe_ops/attention/execut
 def guarded_server(tmp_path_factory, comfy):   # comfy: the session server's skip reasons apply here too
     """A server of its own whose SafeSage has guarded kernels on the CPU: the fake families of
     tests/unit/fake_quality_families.py (SAFESAGE_EXTRA_FAMILIES, that module alone on its
-    PYTHONPATH), and the tiny H3 with outlier blocks -- as tests/comfy/test_comfy_quality.py's
-    server, plus the fault injector's node."""
+    PYTHONPATH), and the tiny H3 with outlier blocks (tools/harness/comfy_server.fake_quality_server,
+    as the other quality tests' server; not that one: the faults switch families off process-wide)."""
     if not has_minimax_h3():
         pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the guarded fault-injection "
                     "scenario needs a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs it in its "
                     "0dd9b154 pass" % os.environ.get("COMFYUI_PATH"))
-    path = tmp_path_factory.mktemp("fault_fake_families")
-    (path / ("%s.py" % FAKE_FAMILIES)).symlink_to(REPO / "tests" / "unit" / ("%s.py" % FAKE_FAMILIES))
-    server = ComfyServer(tmp_path_factory.mktemp("comfy_fault_guarded"),
-                         {PACK_DIR_NAME: REPO, TEST_NODES_DIR_NAME: TEST_NODES}, name="comfy-fault-guarded",
-                         env={"SAFESAGE_EXTRA_FAMILIES": FAKE_FAMILIES, "PYTHONPATH": str(path)})
-    try:
-        server.start()
-        model = server.make_model("h3", "safesage_tiny_h3_outliers.safetensors", seed=77,
-                                  args=("--blocks", str(GUARDED_BLOCKS),
-                                        "--outlier-blocks", ",".join(map(str, GUARDED_OUTLIERS)),
-                                        "--outlier-factor", str(GUARDED_FACTOR)))
-        assert model["blocks"] == GUARDED_BLOCKS and model["outlier_blocks"] == list(GUARDED_OUTLIERS)
-        yield server, os.path.basename(model["path"])
-    finally:
-        server.stop()
+    with fake_quality_server(tmp_path_factory.mktemp("comfy_fault_guarded"),
+                             tmp_path_factory.mktemp("fault_fake_families"), name="comfy-fault-guarded") as qs:
+        yield qs
 
 
 def _guarded_counters(stats: dict) -> tuple:
