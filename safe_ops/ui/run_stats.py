@@ -33,6 +33,7 @@ FAILED_CHECKS: dict[str, str] = {}      # call class -> why its kernel failed th
 _SECTION_FALLBACKS: dict[str, Counter] = {}   # section -> reason -> count
 _logged: dict = {}                      # log-once keys (a dict keeps their insertion order)
 _extra: dict[str, Any] = {}
+_MAXIMA: set = set()                    # the _extra entries info_max keeps (reset() forgets them)
 _THREADS: list = []                     # [thread, its counts, what reads have summed of them] per counting thread
 _own = threading.local()                # .counts: the calling thread's dict (written by that thread only)
 
@@ -277,6 +278,16 @@ def set_info(name: str, value: Any) -> None:
         _extra[name] = value
 
 
+def info_max(name: str, value: int) -> None:
+    """``snapshot()[name]`` is the largest ``value`` given since the last ``reset()``."""
+    if _tracing():
+        return
+    with _lock:
+        _MAXIMA.add(name)
+        if value > _extra.get(name, 0):
+            _extra[name] = value
+
+
 def snapshot() -> dict:
     with _lock:
         _sum_threads()
@@ -305,3 +316,5 @@ def reset() -> None:
         FAILED_CHECKS.clear()
         _SECTION_FALLBACKS.clear()
         _logged.clear()
+        for name in _MAXIMA:
+            _extra.pop(name, None)

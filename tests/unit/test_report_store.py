@@ -86,6 +86,7 @@ def test_every_mutation_of_the_store_holds_its_lock(monkeypatch):
         "once": lambda: report.once(("k",), logging.DEBUG, "m"),
         "remember_plan": lambda: report.remember_plan("shape", "plan"),
         "set_info": lambda: report.set_info("info", 1),
+        "info_max": lambda: report.info_max("peak", 2),
         "reset": report.reset,
     }
     section_writers = {
@@ -262,3 +263,34 @@ def test_counts_made_while_a_graph_runs_survive_counts_traced_in_it():
     assert report.value("test_op_ran") == 3
     snap = report.snapshot()
     assert not snap.get("test_traced") and not snap.get("test_traced_hot"), "a traced count is a stale replay"
+
+
+def test_the_mlp_reports_its_largest_intermediates():
+    """``mlp_peak_intermediate_bytes``: one chunk's intermediates (mlp_plan.per_token_bytes x its tokens),
+    the largest since the last reset; a call that runs unchunked counts its whole input."""
+    from safe_ops.models.h3.mlp_plan import per_token_bytes
+
+    class TinyMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = torch.nn.Linear(16, 64, bias=False)
+            self.fc2 = torch.nn.Linear(32, 16, bias=False)
+
+        def forward(self, x):
+            a, b = self.fc1(x).chunk(2, dim=-1)
+            return self.fc2(torch.nn.functional.silu(a) * b)
+
+    m = TinyMLP().requires_grad_(False)
+    x = torch.randn(200, 16, generator=torch.Generator().manual_seed(0))
+    tok = per_token_bytes(16, 32, 4)
+    report.reset()
+    assert mlp.PEAK_INFO not in report.snapshot()
+    mlp.h3_mlp_forward(m, x, 50)
+    assert report.snapshot()[mlp.PEAK_INFO] == 50 * tok
+    mlp.h3_mlp_forward(m, x, 100)
+    mlp.h3_mlp_forward(m, x, 40)                        # smaller: the peak stays
+    assert report.snapshot()[mlp.PEAK_INFO] == 100 * tok
+    mlp.h3_mlp_forward(m, x, 1000)                      # one chunk would hold it all: ComfyUI's own, unchunked
+    assert report.snapshot()[mlp.PEAK_INFO] == 200 * tok
+    report.reset()
+    assert mlp.PEAK_INFO not in report.snapshot()

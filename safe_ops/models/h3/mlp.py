@@ -34,7 +34,7 @@ from ... import contain
 from . import cast_memo
 from ...ui import run_stats
 from ...facts import budget
-from .mlp_plan import auto_budget_bytes, chunk_tokens, parse_chunk_setting
+from .mlp_plan import auto_budget_bytes, chunk_tokens, parse_chunk_setting, per_token_bytes
 
 log = logging.getLogger("SafeSage.mlp")
 
@@ -56,6 +56,9 @@ MLP_COUNTERS = (
     "internal_errors",  # calls where SafeSage's own code raised: ComfyUI's forward ran instead (contain.py)
 )
 MLP_STATS = run_stats.Section("mlp", MLP_COUNTERS, "SafeSage MLP: running ComfyUI's unchunked MLP ({reason})")
+#: ``snapshot()[PEAK_INFO]``: the largest intermediates one patched MLP call kept live (bytes, mlp_plan.per_token_bytes
+#: x the chunk's tokens, or the whole input's where the call ran unchunked), since the store's last reset
+PEAK_INFO = "mlp_peak_intermediate_bytes"
 
 
 # ---------------------------------------------------------------------------------------
@@ -219,6 +222,8 @@ def h3_mlp_forward(module: torch.nn.Module, x: torch.Tensor, chunk_setting: Any 
     if traced and budget_bytes is None and facts.setting == "auto":
         budget_bytes = auto_budget_bytes(x.device, budget.free_device_bytes)
     c = _chunk_for(facts.setting, S, facts.hidden, facts.ffn, x.dtype, x.device, budget_bytes)
+    # the MLP's intermediates at their largest (one chunk's, or the whole input's when it runs unchunked)
+    run_stats.info_max(PEAK_INFO, min(c, S) * per_token_bytes(facts.hidden, facts.ffn, x.element_size()))
     if c >= S:
         stats.bump("passthrough")
         return _unpatched(module, x)
