@@ -305,8 +305,10 @@ function qualitySection(d) {
   const body = [];
   for (const b of blocks) {
     const alt = (b.alternatives ?? []).length ? `where ${b.family} cannot run: ${b.alternatives.join(", ")}` : null;
+    // runs_now: what the block's calls run once its chosen family could not (failed its check, switched off)
+    const now = b.runs_now && b.runs_now !== b.family ? `${b.runs_now} (${b.family} could not run)` : null;
     const cells = [b.block, b.planned ?? "", fmtErr(b.planned_error), fmtErr(b.target),
-      b.moved ? `${b.family} (${fmtErr(b.error)})` : (b.family ?? "")];
+      now ?? (b.moved ? `${b.family} (${fmtErr(b.error)})` : (b.family ?? ""))];
     body.push(h("tr", { "data-block": String(b.block), className: b.moved ? "ss-moved ss-block" : "ss-block",
       title: b.call_class ? `class of call: ${b.call_class}` : null },
     cells.map((c, i) => h("td", { className: numeric.includes(i) ? "ss-num" : null, title: i === 4 ? alt : null }, c))));
