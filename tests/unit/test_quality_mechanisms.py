@@ -31,6 +31,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from safe_ops.quality.targets import BALANCED_FACTOR, BlockErrors, decide  # noqa: E402
+from test_quality_guard import choices, end_run, fake_sage_out, rel, stats  # noqa: E402
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 B, H, D = 1, 4, 32
@@ -91,30 +92,6 @@ def sample(att, data, steps):
         outs.append(call_blocks(att, data))
     end_run()
     return outs
-
-
-def end_run():
-    from safe_ops.facts import compiler
-    from safe_ops.quality import guard
-    guard.run_ended()
-    compiler.new_run()
-
-
-def stats():
-    from safe_ops.ui import run_stats
-    return run_stats.snapshot()
-
-
-def choices():
-    return {c["block"]: c for c in stats()["quality_last_run"]["choices"]["blocks"]}
-
-
-def rel(a, b):
-    return float((a - b).norm() / b.norm())
-
-
-def fake_sage_out(fq, q, k, v):
-    return SDPA(fq.quantise(q, fq.SAGE_LEVELS, -1), fq.quantise(k, fq.SAGE_LEVELS, -1), v)
 
 
 # ------------------------------------------------------------------------------------------------ 1. medians
