@@ -321,7 +321,7 @@ def bench(args) -> dict:
         flops = 4 * S * S * HEADS * D
         # the same plan with the repack copied into the other layout (checks the planner's pick)
         alt_ms = None
-        plan = next(iter(att._prepared.values())).plan
+        plan = att.prepared_plans()[0].plan
         if plan.repack:
             import dataclasses
 
@@ -329,7 +329,7 @@ def bench(args) -> dict:
             from safe_ops.families.envelope import check
             from safe_ops.attention.planner import sub_call
             alt = dataclasses.replace(plan, layout="HND" if plan.layout == "NHD" else "NHD")
-            call = next(iter(att._prepared.values())).call
+            call = att.prepared_plans()[0].call
             if not check(sub_call(call, plan.head_group or HEADS, plan.q_chunk or S, alt.repack, alt.layout),
                          att.kernels[plan.kernel].envelope):
                 nn = normalise((q, k, v, HEADS), {"skip_reshape": True, "skip_output_reshape": True})

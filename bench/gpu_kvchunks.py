@@ -290,7 +290,7 @@ def sec_guard(args) -> dict:
             att = guarded(kern)
             g = lambda: att(noop, q, k, v, HEADS, skip_reshape=True, skip_output_reshape=True)  # noqa: E731
             g()
-            prepared = next(iter(att._prepared.values()), None)
+            prepared = next(iter(att.prepared_plans()), None)
             if prepared is None:     # the kernel raised or failed its probe: the call fell back to SDPA
                 raise RuntimeError(f"no plan kept: fallbacks {dict(run_stats.snapshot()['fallback_reasons'])}")
             plan = prepared.plan

@@ -37,7 +37,7 @@ kw = {"skip_reshape": True, "skip_output_reshape": True}
 args = (q4, k4, v4, H)
 for _ in range(500):
     g(null_comfy, *args, **kw)
-p = next(iter(g._prepared.values()))
+p = g.prepared_plans()[0]
 print("prepared fixed", p.fixed, "envelopes", len(p.envelopes), "cuda", p.cuda, "plan", p.plan.kind)
 N = 20000
 res = {}
@@ -68,12 +68,11 @@ us("special_calls.capturing", special_calls.capturing)
 dev.type == "cuda" and us("torch.cuda.current_stream()", torch.cuda.current_stream)
 us("torch.compiler.is_compiling", special_calls.torch_is_compiling)
 us("call_arguments", lambda: call_forms.call_arguments(args, kw))
-us("signature", lambda: call_forms.signature(null_comfy, a, kw, g._key_alignment))
-us("signature+dict get", lambda: g._prepared.get(call_forms.signature(null_comfy, a, kw, g._key_alignment)))
+us("signature+dict get", lambda: g.prepared_for(null_comfy, *args, **kw))
 us("form.bind", lambda: p.form.bind(a, kw))
-us("_within_budget", lambda: g._within_budget(p))
+us("plan_now (the plan under the budget now)", lambda: g.plan_now(p))
 us("compiler.enabled_now", lambda: compiler.enabled_now(cd))
-us("budget reader", lambda: g._budget_reader(cd))
+us("budget (the plans' reader)", lambda: g.probe_budget(cd))
 us("run_stats.counts", run_stats.counts)
 us("executor.run", lambda: g.executor.run(p.plan, n))
 us("attend_prepared", lambda: g.attend_prepared(p, p.form.bind(a, kw), null_comfy))

@@ -112,4 +112,4 @@ def first_call(att, fn):
     torch.cuda.reset_peak_memory_stats()
     o = fn()
     torch.cuda.synchronize()
-    return o, torch.cuda.max_memory_allocated() - base, next(iter(att._prepared.values())).plan
+    return o, torch.cuda.max_memory_allocated() - base, att.prepared_plans()[0].plan

@@ -140,8 +140,8 @@ def sec_merge(args) -> dict:
             r["ms"] = ms
             r.update(ratios(ms))
             try:
-                r["plans_kept"] = len(att._prepared)
-                r["plan_kv_last"] = list(att._prepared.values())[-1].plan.describe(False)
+                r["plans_kept"] = len(att.prepared_plans())
+                r["plan_kv_last"] = att.prepared_plans()[-1].plan.describe(False)
             except Exception as e:  # noqa: BLE001 - bookkeeping only
                 r["plans_kept"] = f"unknown: {type(e).__name__}: {e}"
             kc = plan.kv_chunk or S

@@ -190,6 +190,24 @@ class PlanChoice:
                          call.kv_heads, call.q_len, call.kv_len)
 
 
+    # ------------------------------------------------------------------ what benches and tools read
+    def prepared_plans(self) -> list["Prepared"]:
+        """The plans kept per call signature (Prepared: plan, call, envelopes, ...), oldest first: the
+        public read of the cache the override's hot path looks up (benches, tools)."""
+        with self._cache_lock:
+            return list(self._prepared.values())
+
+    def plan_now(self, p: "Prepared") -> Plan:
+        """The plan a call of ``p``'s signature runs under the memory budget now (the hot path's choice)."""
+        return p.plan if p.fixed else self._within_budget(p)
+
+    def prepared_for(self, func: Callable, *args: Any, **kwargs: Any) -> "Prepared | None":
+        """The plan kept for the signature of the call ``(func, *args, **kwargs)`` as ComfyUI makes it,
+        or None (never called, a signature-less form, or dropped)."""
+        from .call_forms import call_arguments, signature
+        key = signature(func, call_arguments(args, kwargs), kwargs, self._key_alignment)
+        return self._prepared.get(key) if key is not None else None
+
     # ------------------------------------------------------------------ the quality guard's families
     def quality_order(self, func: Callable | None) -> list[str]:
         """The family this policy plans for ``func``'s calls, then the families a block over its quality
