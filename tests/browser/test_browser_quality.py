@@ -24,7 +24,7 @@ from browser import hide_overlays, open_comfy
 from stats_panel import open_sidebar_panel, panel_refreshes, panel_text, wait_panel_refreshed
 from tools.harness.comfy_graphs import h3_graph
 from tools.harness.comfy_server import (QUALITY_BLOCKS, QUALITY_OUTLIERS, REPO, fake_quality_server,
-                                        has_minimax_h3)
+                                        skip_without_h3)
 
 pytestmark = pytest.mark.browser
 
@@ -86,10 +86,7 @@ def _assert_panel_shows(page, stats: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def qserver(tmp_path_factory):
-    if not has_minimax_h3():
-        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3: the quality guard's browser test needs a ComfyUI with "
-                    "H3 (0dd9b154 or later); `bash .ci/run` runs it in its 0dd9b154 pass"
-                    % os.environ.get("COMFYUI_PATH"))
+    skip_without_h3("the quality guard's browser test needs")
     with fake_quality_server(tmp_path_factory.mktemp("browser_quality"), tmp_path_factory.mktemp("fake_families"),
                              name="browser-quality") as qs:
         yield qs

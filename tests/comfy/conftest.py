@@ -6,13 +6,12 @@ See tools/harness/comfy_server.py for how it is started. Without a usable COMFYU
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from tools.harness.comfy_server import (PACK_DIR_NAME, REPO, TEST_NODES, TEST_NODES_DIR_NAME, ComfyServer,
-                          comfy_path_problem, fake_quality_server, has_minimax_h3)
+                          comfy_path_problem, fake_quality_server, skip_without_h3)
 
 HERE = Path(__file__).resolve().parent
 
@@ -50,10 +49,7 @@ def tiny_sd2(comfy):
 
 @pytest.fixture(scope="session")
 def tiny_h3(comfy):
-    if not has_minimax_h3():
-        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the H3 tests "
-                    "need a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs them in its 0dd9b154 pass"
-                    % os.environ.get("COMFYUI_PATH"))
+    skip_without_h3("the H3 tests need")
     return comfy.make_model("h3", "safesage_tiny_h3_fp8.safetensors", seed=4321)
 
 
@@ -82,10 +78,7 @@ def quality_server(tmp_path_factory, comfy):   # comfy: the session server's ski
     """A second headless ComfyUI with the tests' fake guarded families and the tiny H3 with drifting
     blocks (tools/harness/comfy_server.fake_quality_server): (server, model file name). Shared by every
     test that needs guarded kernels on the CPU (H3 trees only)."""
-    if not has_minimax_h3():
-        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the quality guard's "
-                    "ComfyUI tests need a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs them in its "
-                    "0dd9b154 pass" % os.environ.get("COMFYUI_PATH"))
+    skip_without_h3("the quality guard's ComfyUI tests need")
     with fake_quality_server(tmp_path_factory.mktemp("comfy_quality_shared"),
                              tmp_path_factory.mktemp("fake_families"), name="comfy-quality-shared") as qs:
         yield qs

@@ -56,7 +56,7 @@ torch = pytest.importorskip("torch")
 
 from tools.harness.comfy_graphs import h3_graph, max_rel_diff, saved_latents, sd2_graph, stats_delta
 from tools.harness.comfy_server import (QUALITY_BLOCKS, QUALITY_OUTLIERS, execution_error, fake_quality_server,
-                                        has_minimax_h3)
+                                        skip_without_h3)
 
 CHUNK_TOL_FACTOR = 4.0
 CHUNK_TOL_FLOOR = 1e-4
@@ -244,10 +244,7 @@ def guarded_server(tmp_path_factory, comfy):   # comfy: the session server's ski
     tests/unit/fake_quality_families.py (SAFESAGE_EXTRA_FAMILIES, that module alone on its
     PYTHONPATH), and the tiny H3 with outlier blocks (tools/harness/comfy_server.fake_quality_server,
     as the other quality tests' server; not that one: the faults switch families off process-wide)."""
-    if not has_minimax_h3():
-        pytest.skip("COMFYUI_PATH=%s has no MiniMax H3 (comfy/ldm/minimax/model.py): the guarded fault-injection "
-                    "scenario needs a ComfyUI with H3 (0dd9b154 or later); `bash .ci/run` runs it in its "
-                    "0dd9b154 pass" % os.environ.get("COMFYUI_PATH"))
+    skip_without_h3("the guarded fault-injection scenario needs")
     with fake_quality_server(tmp_path_factory.mktemp("comfy_fault_guarded"),
                              tmp_path_factory.mktemp("fault_fake_families"), name="comfy-fault-guarded") as qs:
         yield qs
