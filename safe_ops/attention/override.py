@@ -337,10 +337,11 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
             # the family it moved to cannot run it (failed its first-call check on this class of call,
             # switched off, or outside its limits): the next family under the block's target, else ComfyUI's own
             quality_guard.STATS.bump("moved_fallbacks")
-            run_stats.once(("quality-moved-fallback", fam, p.klass), logging.WARNING,
-                           "SafeSage quality guard: %s cannot run the calls of %s moved to it (%s); they run %s "
-                           "instead", fam, p.shape_key, self._why_not(fam, p),
-                           next((f for f in fams[fams.index(fam) + 1:] if f != "sdpa"), "ComfyUI's own attention"))
+            if st.fell.get((n.block, p.klass)) is None:      # said once per block, the reason read only then
+                run_stats.once(("quality-moved-fallback", fam, p.klass), logging.WARNING,
+                               "SafeSage quality guard: %s cannot run the calls of %s moved to it (%s); they run %s "
+                               "instead", fam, p.shape_key, self._why_not(fam, p),
+                               next((f for f in fams[i + 1:] if f != "sdpa"), "ComfyUI's own attention"))
         quality_guard.runs_now(st, n.block, p.klass, "sdpa")
         return None
 
