@@ -59,17 +59,29 @@ _local = threading.local()       # .events: device index -> this thread's (enter
 _legacy: dict = {}               # device index -> its legacy default stream
 
 
+def _current_stream_id(idx: int) -> int:
+    """The id of this thread's current stream on device ``idx``, read without making a Python
+    ``torch.cuda.Stream`` (``torch.cuda.current_stream`` builds one: 7.5-8 us on the H100 host,
+    bench/results/logs/host_profile_h100_977d02d.txt, on every sage 2.x call, hop or not)."""
+    get = getattr(torch._C, "_cuda_getCurrentStream", None)
+    if get is None:                    # a torch without it: the public call
+        return torch.cuda.current_stream(idx).stream_id
+    return get(idx)[0]
+
+
 def legacy_hop(device: torch.device) -> StreamHop | None:
     """The hop from the caller's current stream of ``device`` to its legacy default stream (where
     sage 2.x launches), or None when the caller already runs there. Its events are this thread's
-    pair for the device (made at its first hop)."""
-    cur = torch.cuda.current_stream(device)
-    idx = cur.device_index
+    pair for the device (made at its first hop). The common case -- the caller already on the
+    legacy stream -- costs one id read and a dict look-up; the caller's Stream object is made only
+    when there is a hop to make."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
     legacy = _legacy.get(idx)
     if legacy is None:
         legacy = _legacy[idx] = torch.cuda.default_stream(device)
-    if cur == legacy:
+    if _current_stream_id(idx) == legacy.stream_id:
         return None
+    cur = torch.cuda.current_stream(device)
     pairs = getattr(_local, "events", None)
     if pairs is None:
         pairs = _local.events = {}
