@@ -291,8 +291,8 @@ def bench(args) -> dict:
     rows = []
     comfy_fn, sdpa_source = None, "torch.nn.functional.scaled_dot_product_attention (torch's default backend order)"
     if args.comfy:
-        from bench.gpu_compile import comfy_attention
-        fn, where = comfy_attention(args.comfy, cpu=False)
+        from tools.harness.comfy_attention_fn import load
+        fn, where = load(args.comfy, cpu=False)
         if where.startswith("stand-in"):
             raise SystemExit(f"--comfy {args.comfy}: {where}")
         comfy_fn, sdpa_source = fn, f"attention_pytorch of {where} (skip_reshape, skip_output_reshape: as H3 calls it)"

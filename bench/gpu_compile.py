@@ -17,13 +17,14 @@ For each arm: ``torch._dynamo.explain`` (graph count, graph breaks, the reasons,
 ops), ``breaks_per_call`` (breaks / attention calls per forward), the compiled output's
 relative L2 against the same arm eager, and (on CUDA) median eager/compiled ms.
 
-    python3 -m bench.gpu_compile --tag sage106 --family sage1_triton
-    python3 -m bench.gpu_compile --tag sage22_sm120 --family sage2_fp8pv_perwarp
-    python3 -m bench.gpu_compile --device cpu --tag cpu --tokens 256 --heads 4 --dim 32
+    PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.gpu_compile --tag sage106 --family sage1_triton
+    PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.gpu_compile --tag sage22_sm120 --family sage2_fp8pv_perwarp
+    PYTHONPATH=$COMFYUI_PATH python3 -m bench.gpu_compile --device cpu --tag cpu --tokens 256 --heads 4 --dim 32
 
 Writes bench/results/torch_compile_<tag>.json (``--out`` to override) with the command line.
-ComfyUI's attention comes from --comfy, else $SS_COMFY or $COMFYUI_PATH (a stand-in with its
-contract when none imports: recorded in the JSON).
+ComfyUI's attention comes from the tree --comfy names, else $SS_COMFY (bench/device_setup.sh) or
+$COMFYUI_PATH, imported from PYTHONPATH as above (tools.harness.comfy_attention_fn.load): a stand-in with
+its contract when none is named or that tree is not the ComfyUI PYTHONPATH imports, recorded in the JSON.
 """
 from __future__ import annotations
 
@@ -41,25 +42,6 @@ from bench.benchutil import time_ms
 from bench.cmdline import command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def comfy_attention(path: str | None, cpu: bool):
-    """(ComfyUI's wrap_attn-wrapped attention_pytorch, where it came from). ComfyUI is imported
-    from PYTHONPATH, which whoever starts the bench sets (``PYTHONPATH=$SS_COMFY``)."""
-    if path and os.path.isfile(os.path.join(path, "comfy", "ldm", "modules", "attention.py")):
-        try:
-            import comfy.cli_args
-            if cpu:
-                comfy.cli_args.args.cpu = True
-            import comfy.ldm.modules.attention as att
-            return att.attention_pytorch, f"ComfyUI {path}"
-        except Exception as e:  # noqa: BLE001
-            why = f"ComfyUI at {path} does not import (is it on PYTHONPATH?): {e!r}"
-    else:
-        why = "no ComfyUI tree given"
-    os.environ.pop("COMFYUI_PATH", None)
-    from tools.harness import comfy_attention_fn
-    return comfy_attention_fn.attention_pytorch, f"stand-in ({why})"
 
 
 class Toy(torch.nn.Module):
@@ -195,7 +177,8 @@ def main() -> None:
     args = ap.parse_args()
     args.backend = args.backend or ("inductor" if args.device == "cuda" else "aot_eager")
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
-    comfy_fn, source = comfy_attention(args.comfy, args.device == "cpu")
+    from tools.harness import comfy_attention_fn
+    comfy_fn, source = comfy_attention_fn.load(args.comfy, args.device == "cpu")
     out_path = args.out or os.path.join(ROOT, "bench", "results", f"torch_compile_{args.tag}.json")
     import importlib.metadata as md
     versions = {}

@@ -24,9 +24,14 @@ The sage families are the ones a user's GPU dispatches to: sage 1.0.6 (``sage1_t
 sm_120 path (``sage2_fp8pv_perwarp``, RTX 50xx) and sm_89 path (``sage2_sm89_fp8pv``, RTX 40xx); sage 1
 and 2 are one package name, so each installation is its own process (``--families``).
 
-    python3 -m bench.gpu_quality --families sage2_fp8pv_perwarp,sage2_sm89_fp8pv --out bench/results/quality_guard_sage22_h200.json
-    python3 -m bench.gpu_quality --families sage1_triton --out bench/results/quality_guard_sage106_h200.json
-    python3 -m bench.gpu_quality --cost-only --tokens 169000 --blocks 8 --families sage2_fp8pv_perwarp --out ...
+    export COMFYUI_PATH=$SS_COMFY       # after `source bench/device_setup.sh; ss_base`
+    PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.gpu_quality --families sage2_fp8pv_perwarp,sage2_sm89_fp8pv --out bench/results/quality_guard_sage22_h200.json
+    PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.gpu_quality --families sage1_triton --out bench/results/quality_guard_sage106_h200.json
+    PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.gpu_quality --cost-only --tokens 169000 --blocks 8 --families sage2_fp8pv_perwarp --out ...
+
+ComfyUI's attention_pytorch is that of the tree $COMFYUI_PATH names, imported from PYTHONPATH
+(tools/harness/comfy_attention_fn.py: an error when PYTHONPATH imports no ComfyUI or another one);
+without COMFYUI_PATH the stand-in with its contract. ``comfy_function`` in the JSON says which.
 """
 from __future__ import annotations
 

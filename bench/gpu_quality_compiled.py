@@ -15,7 +15,10 @@ emulated RTX order of bench/gpu_quality.py):
 * the guard: ``probes`` (step 1), ``blocks_moved`` and each block's choice, ``moved_calls`` (step 2);
 * ``compiled_vs_eager_rel_l2``: step 2's compiled output against the same guard run eagerly.
 
-    python3 -m bench.gpu_quality_compiled --families sage1_triton --out bench/results/quality_compiled_sage106_h100.json
+    COMFYUI_PATH=$SS_COMFY PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.gpu_quality_compiled --families sage1_triton \\
+        --out bench/results/quality_compiled_sage106_h100.json
+
+ComfyUI's attention function as in bench/gpu_quality.py: the tree $COMFYUI_PATH names, from PYTHONPATH.
 """
 from __future__ import annotations
 
