@@ -20,10 +20,13 @@ a few microseconds of CPU matmul, so what is timed is mostly host work. Two case
 file holds the numbers of the code before a change (run from a checkout of it with this file copied
 in, ``--code-rev`` naming it) and after it.
 
-    (cd <checkout of the old commit> && COMFYUI_PATH=... python3 -m bench.mlp_host --label before \\
+    (cd <checkout of the old commit> && PYTHONPATH=<ComfyUI 0dd9b154> python3 -m bench.mlp_host --label before \\
         --code-rev <commit> --merge --out <repo>/bench/results/mlp_host_cpu.json)
-    COMFYUI_PATH=<ComfyUI 0dd9b154> python3 -m bench.mlp_host --label after --merge \\
+    PYTHONPATH=<ComfyUI 0dd9b154> python3 -m bench.mlp_host --label after --merge \\
         --out bench/results/mlp_host_cpu.json
+
+ComfyUI comes from ``PYTHONPATH`` (this file edits no ``sys.path``); a COMFYUI_PATH that is set must name
+that same tree. Run from the repository root (``-m``: the repository is on the path from there).
 """
 from __future__ import annotations
 
@@ -35,21 +38,32 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from bench.cmdline import command
 
-from bench.cmdline import command  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 HIDDEN, FFN, S, CHUNK = 64, 96, 64, 16
 
 
+def _comfy_tree() -> str:
+    """The ComfyUI tree that PYTHONPATH imports; exits saying what to set when there is none with H3."""
+    import importlib.util
+    spec = importlib.util.find_spec("comfy")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("bench.mlp_host: ComfyUI is not importable: put a ComfyUI tree with MiniMax H3 (e.g. 0dd9b154) on "
+                 "PYTHONPATH: PYTHONPATH=<ComfyUI tree> python3 -m bench.mlp_host ...")
+    tree = os.path.dirname(list(spec.submodule_search_locations)[0])
+    named = os.environ.get("COMFYUI_PATH")
+    if named and os.path.realpath(named) != os.path.realpath(tree):
+        sys.exit(f"bench.mlp_host: COMFYUI_PATH names {named}, but PYTHONPATH imports ComfyUI from {tree}")
+    if not os.path.isfile(os.path.join(tree, "comfy", "ldm", "minimax", "model.py")):
+        sys.exit(f"bench.mlp_host: the ComfyUI on PYTHONPATH ({tree}) has no MiniMax H3 "
+                 "(comfy/ldm/minimax/model.py): use 0dd9b154 or later")
+    return tree
+
+
 def _comfy():
-    path = os.environ.get("COMFYUI_PATH")
-    if not path or not os.path.isfile(os.path.join(path, "comfy", "ops.py")):
-        sys.exit("bench.mlp_host: set COMFYUI_PATH to a ComfyUI tree with MiniMax H3 (e.g. 0dd9b154)")
-    if path not in sys.path:
-        sys.path.insert(0, path)
+    _comfy_tree()
     import comfy.cli_args
     comfy.cli_args.args.cpu = True          # before comfy.model_management is imported
     import comfy.model_management as mm
@@ -172,7 +186,7 @@ def main(argv=None) -> dict:
     doc.setdefault("bench", "bench/mlp_host.py: host microseconds per patched H3 MLP call (CPU)")
     doc["machine"] = {"node": platform.node(), "cpu": _cpu_name(), "cores": os.cpu_count(),
                       "torch": torch.__version__, "python": sys.version.split()[0], "torch_threads": 1,
-                      "comfyui": os.path.basename(os.environ.get("COMFYUI_PATH", "").rstrip("/"))}
+                      "comfyui": os.path.basename(_comfy_tree().rstrip("/"))}
     doc.setdefault("runs", {})[a.label] = row
     runs = doc["runs"]
     if "before" in runs and "after" in runs:
