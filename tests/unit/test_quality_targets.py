@@ -47,10 +47,30 @@ def test_over_target_moves_to_the_first_candidate_under_it_in_order():
 
 
 def test_a_candidate_over_target_or_unrun_is_skipped():
-    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=0.050, other=None)]
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=0.200, other=None)]
     ch = by_block(decide(ms, "balanced", ["sage_x", "other", "ck_y"]))
     assert ch[4].family == COMFY and ch[4].moved and ch[4].error is None
-    assert "could not run" in ch[4].why and "ck_y 0.050" in ch[4].why
+    assert "could not run" in ch[4].why and "ck_y 0.200" in ch[4].why
+
+
+@pytest.mark.parametrize("ck", [0.035, 0.060, 0.100])
+def test_an_error_every_fast_kernel_shares_stays(ck):
+    """Over its target (0.044) but the best other fast kernel measured the same rows within
+    KERNEL_EXCESS of it, either way: the error is the block's (sage 1.0.6's early blocks at 8k), so
+    the block stays; ``strict`` and the ceiling do not ask for this evidence."""
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=ck)]
+    ch = by_block(decide(ms, "balanced", ["sage_x", "ck_y"]))
+    assert not ch[4].moved and ch[4].family == "sage_x" and "the block's own error" in ch[4].why, ch[4]
+    assert by_block(decide(ms, "strict", ["sage_x", "ck_y"]))[4].moved
+    assert by_block(decide(ms, "balanced", ["sage_x", "ck_y"], ceilings={"sage_x": 0.05}))[4].moved
+
+
+@pytest.mark.parametrize("ck,moves_to", [(0.030, "ck_y"), (0.200, COMFY)])
+def test_a_kernel_clearly_worse_than_another_moves(ck, moves_to):
+    """The best other kernel measured under planned / KERNEL_EXCESS (the planned kernel is at
+    fault), or every other far worse (no evidence about the block): the target decides, as before."""
+    ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=ck)]
+    assert by_block(decide(ms, "balanced", ["sage_x", "ck_y"]))[4].family == moves_to
 
 
 def test_no_candidate_goes_to_comfys_own():
@@ -175,3 +195,30 @@ def test_sage106_drift_moves_when_it_is_the_majority(seed_majority):
     assert not any(c.moved for c in plain)                      # the relative rule alone: nothing moves
     ch = decide(ms, "balanced", ORDER, {"sage_x": SAGE1_TRITON_FAMILY.tolerance})
     assert [c.moved for c in ch] == [False] * len(benign) + [True] * (6 * len(drift))
+
+
+# ------------------------------------------- the target on committed measurements it was not fitted to
+def test_committed_measurements_decided_again_move_no_benign_block_and_lose_no_drifting_move():
+    """bench.quality_decisions feeds the committed per-block errors (H200 38k: 3 seeds x sage 1.0.6 and
+    sage 2.2's fp8-PV paths; H100 8k: five profiles x three sage paths) to today's decide(). No benign
+    block moves anywhere (the 8k sage 1.0.6 runs moved 7 early blocks before KERNEL_EXCESS); every
+    drifting block moves on the sets KERNEL_EXCESS was fitted on (H200 38k, the 8k default profile);
+    on the others (majority, gradual, heads, keys) no drifting block the committed run moved stays."""
+    from bench import quality_decisions as qd
+    for name in ("quality_guard_sage106_h200.json", "quality_guard_sage22_h200.json"):
+        for run, r in qd.h200_runs(str(REPO / "bench" / "results" / name)).items():
+            assert r["benign_moved"] == [] and r["drifting_kept"] == [], (name, run, r["lines"])
+    path = REPO / "bench" / "results" / "quality_guard_profiles_h100.json"
+    committed = json.loads(path.read_text())["profiles"]
+    for profile, paths in qd.profiles(str(path)).items():
+        for sage_path, r in paths.items():
+            where = (profile, sage_path, r["lines"])
+            assert r["benign_moved"] == [], where
+            if profile == "default":
+                assert r["drifting_kept"] == [], where
+            cut = qd.GRADUAL_DRIFT_FROM if profile == "gradual" else 1.0
+            before = {b["block"] for b in committed[profile][sage_path]["guard"]["blocks"]
+                      if b["moved"] and b["factor"] > cut}
+            assert before <= set(r["drifting_moved"]), where
+    before = committed["default"]["sage106_sm89"]["guard"]["benign_moved"]
+    assert before == 7, "the committed run this test was written against"
