@@ -17,6 +17,7 @@ import json
 import os
 
 from safe_ops.families import registry
+from safe_ops.families.family import Kernel
 from safe_ops.quality import targets
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -26,8 +27,11 @@ GRADUAL_DRIFT_FROM = 8.0
 
 
 def ceiling_of(family: str) -> float:
+    """The ceiling the guard hands decide() for a block planned on ``family`` (Kernel.quality_ceiling)."""
     fam = registry.families().get(family)
-    return fam.tolerance if fam is not None else targets.DEFAULT_CEILING
+    if fam is None:
+        return targets.DEFAULT_CEILING
+    return Kernel(fam.envelope, None, fam.tolerance, benign_error=fam.benign_error).quality_ceiling
 
 
 def _decide(blocks: list[dict], order: list[str], quality: str = "balanced") -> list:

@@ -261,7 +261,9 @@ def _family(env: Envelope) -> KernelFamily:
     # both versions' envelopes time the same kernel: one kernel_table.json entry (ck_int8)
     return KernelFamily(env, kind="ck", tolerance=DEFAULT_TOLERANCE,    # no family-specific number measured
                         call=_call, function="comfy_kitchen.int8_attention", table_name="ck_int8",
-                        drift_rank=0)    # channels rotated before int8: flat under outliers (move_order.DRIFT_RANKS)
+                        drift_rank=0,    # channels rotated before int8: flat under outliers (move_order.DRIFT_RANKS)
+                        # random H3-shaped inputs, 38k-169k tokens, vs SDPA: 0.0169-0.0173 (ck240_families_h200.json)
+                        benign_error=0.0173)
 
 
 KERNEL_FAMILIES = (_family(CK_INT8), _family(CK_INT8_PRE236))

@@ -57,6 +57,8 @@ class Kernel:
     #: a quality-guard move target only, never a planning candidate (registry.installed_kernels: sage's
     #: own fp16-PV kernel where the arch's dispatch family is fp8 PV; attention.move_order)
     move_only: bool = False
+    #: the kernel's rel. L2 on random H3-shaped inputs (KernelFamily.benign_error); None: not measured
+    benign_error: float | None = None
 
     def __post_init__(self):
         if self.fn_lse is None and self.envelope.returns_lse:
@@ -65,6 +67,16 @@ class Kernel:
     @property
     def family(self) -> str:
         return self.envelope.family
+
+    @property
+    def quality_ceiling(self) -> float:
+        """The most error a block of this kernel keeps under the quality guard's ``balanced``, whatever
+        the run's median (quality.targets.decide's ceiling): ``CEILING_FACTOR`` x its benign error,
+        never above its fault tolerance; the tolerance where no benign error is known."""
+        from ..quality.targets import CEILING_FACTOR
+        if self.benign_error is None:
+            return self.tolerance
+        return min(self.tolerance, CEILING_FACTOR * self.benign_error)
 
 
 def _dispatched_here(rt: "Runtime", name: str) -> bool:
@@ -88,6 +100,10 @@ class KernelFamily:
     #: DRIFT_RANKS says what each rank is and what measured it). None: not known -- an extra family, always
     #: measured as a move target, and every family is one for it.
     drift_rank: int | None = None
+    #: its rel. L2 on random H3-shaped inputs (24 heads x 128, bf16; the stress bench vs float32, flat
+    #: in the sequence length from 38k to 305k tokens): its worst benign case -- flat attention --, from
+    #: which the quality guard's ceiling is made (Kernel.quality_ceiling). None: not measured.
+    benign_error: float | None = None
 
     @property
     def name(self) -> str:
@@ -113,4 +129,4 @@ class KernelFamily:
         if fns is None:
             return None
         fn, fn_lse = fns
-        return Kernel(self.envelope, fn, self.tolerance, fn_lse)
+        return Kernel(self.envelope, fn, self.tolerance, fn_lse, benign_error=self.benign_error)

@@ -83,4 +83,5 @@ KERNEL_FAMILY = KernelFamily(
     tolerance=0.05,      # measured 0.013-0.014 on H3 shapes (bench/results/stress_h200.json)
     call=_call, function="sageattention.sageattn", arguments={"smooth_k": False},
     drift_rank=3,        # per-block int8 QK + fp16 PV: 0.22-0.66 on drifting blocks (move_order.DRIFT_RANKS)
+    benign_error=0.0136,  # random H3-shaped inputs, 38k-305k tokens: 0.0134-0.0136 (bench/results/stress_h200.json)
 )

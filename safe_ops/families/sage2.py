@@ -299,10 +299,10 @@ def sage2_call(function: str, arguments: dict):
 
 
 def sage2_family(envelope: Envelope, function: str, arguments: dict, runs_on: tuple, tolerance: float,
-                 drift_rank: int) -> KernelFamily:
+                 drift_rank: int, benign_error: float | None = None) -> KernelFamily:
     """A sage 2.2 family: ``envelope`` called as ``sageattention.<function>(**arguments)``; ``runs_on``:
     the archs whose 2.2.0 extension carries its kernels (setup.py:166, :178, :196); ``drift_rank``: see
     KernelFamily (attention.move_order.DRIFT_RANKS)."""
     return KernelFamily(envelope, kind="sage", tolerance=tolerance, call=sage2_call(function, arguments),
                         function=f"sageattention.{function}", arguments=dict(arguments), runs_on=runs_on,
-                        drift_rank=drift_rank)
+                        drift_rank=drift_rank, benign_error=benign_error)

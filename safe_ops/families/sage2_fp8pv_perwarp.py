@@ -30,4 +30,5 @@ KERNEL_FAMILY = sage2_family(
     runs_on=((8, 9), (9, 0), (12, 0)),
     tolerance=0.12,     # fp8 PV (HAZARDS.md H-1)
     drift_rank=2,       # int8 QK + fp8 PV (attention.move_order.DRIFT_RANKS)
+    benign_error=0.0397,  # random H3-shaped inputs, 38k-200k tokens: 0.0393-0.0397 (stress_sage22_perwarp*_h200.json)
 )

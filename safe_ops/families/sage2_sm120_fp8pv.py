@@ -31,4 +31,7 @@ KERNEL_FAMILY = sage2_family(
     runs_on=((12, 0), (12, 1)),
     tolerance=0.12,     # fp8 PV (HAZARDS.md H-1)
     drift_rank=2,       # int8 QK + fp8 PV (attention.move_order.DRIFT_RANKS)
+    # the per-warp fp8-PV call of sage2_fp8pv_perwarp (same function and arguments), whose random-input
+    # error it takes: 0.0393-0.0397 (stress_sage22_perwarp*_h200.json); not measured on an sm_120 card
+    benign_error=0.0397,
 )

@@ -34,4 +34,5 @@ KERNEL_FAMILY = sage2_family(
     runs_on=((8, 0), (8, 6), (8, 9), (9, 0), (12, 0)),
     tolerance=0.05,     # fp16 PV: same int8 QK error as sage 1
     drift_rank=1,       # per-thread int8 QK + fp16 PV (attention.move_order.DRIFT_RANKS)
+    benign_error=0.0116,  # random H3-shaped inputs at 99,865-99,866 tokens (bench/results/stress_sage22_sm80_h200.json)
 )

@@ -36,4 +36,5 @@ KERNEL_FAMILY = sage2_family(
     runs_on=((8, 0), (8, 6), (8, 9), (9, 0)),
     tolerance=0.05,     # fp16 PV, Triton
     drift_rank=3,       # per-block int8 QK (sage 1's quantiser design) + fp16 PV (move_order.DRIFT_RANKS)
+    benign_error=0.0136,  # random H3-shaped inputs at 99,865-99,866 tokens (bench/results/stress_sage22_sm86_h200.json)
 )

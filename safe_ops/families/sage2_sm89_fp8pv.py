@@ -31,4 +31,5 @@ KERNEL_FAMILY = sage2_family(
     runs_on=((8, 9), (9, 0), (12, 0)),
     tolerance=0.12,     # fp8 PV: measured ~0.039-0.046 (HAZARDS.md H-1)
     drift_rank=2,       # int8 QK + fp8 PV (attention.move_order.DRIFT_RANKS)
+    benign_error=0.0390,  # random H3-shaped inputs at 99,865-99,866 tokens (bench/results/stress_sage22_sm89_h200.json)
 )

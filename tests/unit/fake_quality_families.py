@@ -28,11 +28,12 @@ def quantise(t: torch.Tensor, levels: int, dim: int) -> torch.Tensor:
     return (t / s).round() * s
 
 
-def make_family(kit, name, kind, levels, error=None, tolerance=0.5):
+def make_family(kit, name, kind, levels, error=None, tolerance=0.5, benign_error=None):
     """One fake family: q/k quantised to ``levels`` (0: exact) and, with ``error`` (a callable read on
     every call: a relative size, or it raises), noise of that relative size added to the output. The
     launch is counted (:data:`LAUNCHES`) before ``error`` is read. ``tolerance``: its first-call check's
-    bound, which is also the quality guard's ceiling for blocks planned on it."""
+    bound, which is also the quality guard's ceiling for blocks planned on it, unless ``benign_error``
+    (its random-input error) makes the ceiling lower (Kernel.quality_ceiling)."""
     LAUNCHES.setdefault(name, 0)
     env = kit.Envelope(family=name, source="tests/unit/fake_quality_families.py", head_dims=(16, 32, 64, 128),
                        dtypes=("float32",), supports_mask=False, terms=(), devices=("cpu",),
@@ -50,7 +51,7 @@ def make_family(kit, name, kind, levels, error=None, tolerance=0.5):
             o = o + rel * o.norm() / noise.norm() * noise
         return o if layout == "HND" else o.transpose(1, 2)
 
-    return kit.KernelFamily(env, kind=kind, tolerance=tolerance, call=lambda: (fn, None),
+    return kit.KernelFamily(env, kind=kind, tolerance=tolerance, call=lambda: (fn, None), benign_error=benign_error,
                             function=f"tests/unit/fake_quality_families.py {name}",
                             detect=lambda rt: rt.arch is None)
 

@@ -222,3 +222,42 @@ def test_committed_measurements_decided_again_move_no_benign_block_and_lose_no_d
             assert before <= set(r["drifting_moved"]), where
     before = committed["default"]["sage106_sm89"]["guard"]["benign_moved"]
     assert before == 7, "the committed run this test was written against"
+
+
+def test_a_majority_of_sage1_drifting_blocks_moves_over_twice_its_random_input_error():
+    """The 8k majority profile (30 of 50 blocks drift, sage 1.0.6 at 0.019-0.045): the relative target
+    is the drift and the fault tolerance (0.05) is above it, so nothing moved in the committed run.
+    The ceiling of 2 x sage 1's random-input error (0.027) moves every drifting block over it, to
+    comfy-kitchen (3.4x or more better on each), and no benign block."""
+    from bench import quality_decisions as qd
+    path = REPO / "bench" / "results" / "quality_guard_profiles_h100.json"
+    blocks = json.loads(path.read_text())["profiles"]["majority"]["sage106_sm89"]["guard"]["blocks"]
+    r = qd.profiles(str(path))["majority"]["sage106_sm89"]
+    over = {b["block"] for b in blocks if b["factor"] > 1 and b["planned_error"] > qd.ceiling_of("sage1_triton")}
+    assert len(over) >= 15 and set(r["drifting_moved"]) == over and r["benign_moved"] == [], r["lines"]
+    assert r["moved_to"] == ["ck_int8"]
+
+
+def test_the_ceiling_is_the_repros_wrong_output_rule_on_each_familys_random_input_error():
+    """Kernel.quality_ceiling = CEILING_FACTOR (the repro's WRONG_FACTOR) x benign_error, never over the
+    fault tolerance; each family's benign_error is the committed stress measurement it cites."""
+    from bench.repro.verdict import WRONG_FACTOR
+    from safe_ops.families import registry
+    from safe_ops.families.family import Kernel
+    from safe_ops.quality.targets import CEILING_FACTOR
+    assert CEILING_FACTOR == WRONG_FACTOR
+    fams = registry.families()
+    measured = {}
+    for f in (REPO / "bench" / "results").glob("stress*_h200.json"):
+        for r in json.loads(f.read_text())["guarded"]:
+            fam = r["plan"].split(" on ")[1].split(" ")[0] if " on " in r["plan"] else None
+            if fam and r.get("guarded_rel_err") is not None:
+                measured.setdefault(fam, []).append(r["guarded_rel_err"])
+    for name in ("sage1_triton", "sage2_fp8pv_perwarp", "sage2_sm80", "sage2_sm86_triton", "sage2_sm89_fp8pv"):
+        assert fams[name].benign_error == pytest.approx(max(measured[name]), rel=0.01), name
+    for name, fam in fams.items():
+        k = Kernel(fam.envelope, None, fam.tolerance, benign_error=fam.benign_error)
+        if fam.benign_error is None:
+            assert k.quality_ceiling == fam.tolerance, name
+        else:
+            assert k.quality_ceiling == min(fam.tolerance, CEILING_FACTOR * fam.benign_error) < fam.tolerance, name
