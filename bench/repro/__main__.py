@@ -9,6 +9,7 @@ import sys
 from . import __doc__ as DOC
 from . import arms, driver, logs, soak, verdict, worker
 
+SIZE_HELP = "a name (" + ", ".join(arms.SIZES) + ") or WxHxL[xT], e.g. 1280x720x243 (256 text tokens unless xT)"
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
 
 
@@ -53,12 +54,12 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument("--comfy-flag", action="append", default=[], help="one more ComfyUI flag (repeatable)")
     w = sub.add_parser("worker", parents=[common])
     w.add_argument("--arm", choices=list(arms.ARMS), required=True)
-    w.add_argument("--size", choices=list(arms.SIZES), required=True)
+    w.add_argument("--size", type=arms.size_arg, required=True, help=SIZE_HELP)
     w.add_argument("--work", default="/tmp/repro")
     w.add_argument("--arm-timeout", type=float, default=150.0)
     w.add_argument("--result", default=None, help="also write the row's fields here")
     d = sub.add_parser("all", parents=[common])
-    d.add_argument("--sizes", nargs="+", default=["169k", "100k", "38k"], choices=list(arms.SIZES))
+    d.add_argument("--sizes", nargs="+", default=["169k", "100k", "38k"], type=arms.size_arg, help=SIZE_HELP)
     d.add_argument("--arms", nargs="+", default=arms.DEFAULT_ARMS, choices=list(arms.ARMS))
     d.add_argument("--out", default=os.path.join(RESULTS, "repro_h200.json"))
     d.add_argument("--copy-to", default=None, help="also copy the JSON here after every arm")
@@ -77,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--synth-info", default=None, help="synth_h3.py's JSON line, recorded in the results")
     k = sub.add_parser("soak", parents=[common], help="one server, many prompts, memory after each (soak.py)")
     k.add_argument("--arm", choices=list(arms.ARMS), required=True)
-    k.add_argument("--size", choices=list(arms.SIZES), required=True)
+    k.add_argument("--size", type=arms.size_arg, required=True, help=SIZE_HELP)
     k.add_argument("--prompts", type=int, default=20)
     k.add_argument("--interrupt-steps", type=int, default=30, help="steps of the prompt that is interrupted")
     k.add_argument("--work", default="/tmp/repro")

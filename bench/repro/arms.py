@@ -46,8 +46,47 @@ ARM_LABEL = {
 }
 
 
+DEFAULT_TEXT_LEN = 256
+
+
+def parse_size(size: str) -> tuple[int, int, int, int]:
+    """(width, height, length, text tokens) of a size: a name of SIZES, or ``WxHxL`` (256 text tokens,
+    e.g. ``1280x720x243``) or ``WxHxLxT``. The length is passed to EmptyMiniMaxH3LatentAV as given
+    (it snaps it up to H3's 17k+5 frame grid)."""
+    if size in SIZES:
+        return SIZES[size]
+    parts = size.split("x")
+    if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"size {size!r}: one of {', '.join(SIZES)}, or WxHxL[xT] (e.g. 1280x720x243)")
+    w, h, n = (int(p) for p in parts[:3])
+    return (w, h, n, int(parts[3]) if len(parts) == 4 else DEFAULT_TEXT_LEN)
+
+
+def is_size(size: str) -> bool:
+    try:
+        parse_size(size)
+    except ValueError:
+        return False
+    return True
+
+
+def size_name(width: int, height: int, length: int, text_len: int = DEFAULT_TEXT_LEN) -> str:
+    """The ``WxHxL[xT]`` name :func:`parse_size` reads back."""
+    return f"{width}x{height}x{length}" + (f"x{text_len}" if text_len != DEFAULT_TEXT_LEN else "")
+
+
+def size_arg(size: str) -> str:
+    """argparse ``type`` for a size (a name of SIZES or WxHxL[xT])."""
+    import argparse
+    try:
+        parse_size(size)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return size
+
+
 def size_dict(size: str) -> dict:
-    return dict(zip(("width", "height", "length", "text_len"), SIZES[size]))
+    return dict(zip(("width", "height", "length", "text_len"), parse_size(size)))
 
 
 def comfy_flags(arm: str, cpu: bool = False, extra=()) -> list[str]:

@@ -75,7 +75,7 @@ def _latent_store(a, doc) -> dict:
     found = {}
     for n in sorted(os.listdir(a.keep_latents)):
         size, _, arm = n[:-3].partition("_")
-        if n.endswith(".pt") and size in arms.SIZES and arm in arms.ARMS:
+        if n.endswith(".pt") and arms.is_size(size) and arm in arms.ARMS:
             found[(size, arm)] = os.path.join(a.keep_latents, n)
     doc["earlier_latents"] = sorted(f"{s}:{r}" for s, r in found)
     return found

@@ -60,7 +60,7 @@ def _sample(server, what: str, t0: float, **extra) -> dict:
 
 def run_soak(*, comfy, ckpt, arm, size, work, prompts=20, steps=2, seed=77, cpu=False, emulate_arch=None,
              interrupt_steps=30, timeout=900.0, python=None, extra_flags=()) -> dict:
-    width, height, length, text_len = arms.SIZES[size]
+    width, height, length, text_len = arms.parse_size(size)
     server, files, av_stub = make_server(comfy=comfy, ckpt=ckpt, arm=arm, tag=f"soak_{size}_{arm}", work=work,
                                          cpu=cpu, emulate_arch=emulate_arch, python=python,
                                          extra_flags=extra_flags)

@@ -102,7 +102,7 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     rc: 0 completed; "execution_error" (ComfyUI reported the error and lived on); "timeout"; else the
     server's exit status (negative: the signal that ended it)."""
     cp = comfy_process()
-    width, height, length, text_len = arms.SIZES[size]
+    width, height, length, text_len = arms.parse_size(size)
     guarded = arms.ARMS[arm]["safesage"] is not None
     tag = f"{size}_{arm}"
     server, files, av_stub = make_server(comfy=comfy, ckpt=ckpt, arm=arm, tag=tag, work=work, cpu=cpu, debug=debug,
