@@ -54,7 +54,7 @@ def verdict_lines(v: Verdict) -> tuple[list[str], list[str]]:
     mlp = (f"MLP {v.mlp_chunk:,} tokens per chunk, {_fmt_gib(v.mlp_bytes)} (unchunked up to "
            f"{_fmt_gib(v.mlp_unchunked_bytes)})" if v.mlp_chunk < S else
            f"MLP unchunked, up to {_fmt_gib(v.mlp_unchunked_bytes)}")
-    peak = max(v.attn_bytes, v.mlp_bytes)
+    peak = v.peak_bytes
     lines.append(f"  transients: attention {_fmt_gib(v.attn_bytes)}, {mlp}; predicted peak {_fmt_gib(peak)} "
                  "(one after the other in each block, above weights and activations)")
     if sc.free_bytes is not None and peak > sc.free_bytes:
