@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 
 from . import _backend
 
@@ -42,11 +43,11 @@ def register() -> bool:
     global _registered
     if _registered:
         return True
-    try:
-        from server import PromptServer
-
-        routes = PromptServer.instance.routes
-    except (ImportError, AttributeError):
+    # the server ComfyUI's main.py imported before loading custom nodes (as ui/events.py reads it): never
+    # imported here, where a script or test importing the pack would start ComfyUI's device set-up
+    ps = getattr(getattr(sys.modules.get("server"), "PromptServer", None), "instance", None)
+    routes = getattr(ps, "routes", None)
+    if routes is None:
         log.debug("SafeSage: no ComfyUI server instance; %s not registered", STATS_PATH)
         return False
     routes.get(STATS_PATH)(stats_handler)
