@@ -49,6 +49,15 @@ def test_a_fake_arm_twice_as_slow_reads_about_two():
     assert arms["fast"]["gpu_us_per_call"] is None, "no device time on the CPU"
 
 
+def test_host_rounds_run_until_their_deadline():
+    import torch
+    t0 = time.perf_counter()
+    arms = host_cost.host_arms({"a": busy(50), "b": busy(50)}, calls=4, dev=torch.device("cpu"), min_reps=2,
+                               max_reps=10_000, deadline=time.perf_counter() + 0.3)
+    took = time.perf_counter() - t0
+    assert 0.3 <= took < 3.0 and arms["a"]["host_us"]["n"] > 2, (took, arms["a"]["host_us"])
+
+
 def test_interleave_alternates_and_stops_at_the_deadline_after_the_minimum():
     order, t = [], [0.0]
 
@@ -71,13 +80,14 @@ def test_e2e_ratio_is_the_median_step_from_step_2_and_step_1_is_apart():
     assert s["ratio"] == 2.0 and s["per_pair"] == [2.0, 2.0] and s["pairs"] == 2
     assert s["step1_ms"]["node"]["median"] == 11.0 and s["step1_extra_ms"] == 6.0
     assert s["steps_from_2_ms"]["plain"]["n"] == 6
+    assert s["per_step_ratio"] == [2.2, 2.0, 2.0, 2.0], "per step index: the median over runs, node / plain"
 
 
 def test_legacy_hop_change_needs_both_tags():
     row = lambda us: {"host_us": {"median": us}}  # noqa: E731
     assert host_cost.hop_change({"after": {"legacy_hop_on_legacy_stream": row(1.0)}}) is None
-    ch = host_cost.hop_change({"before": {"legacy_hop_on_legacy_stream": row(8.0), "torch.cuda.current_stream": row(4.0),
-                                          "pid": 1},
+    ch = host_cost.hop_change({"before": {"legacy_hop_on_legacy_stream": row(8.0),
+                                          "torch.cuda.current_stream": row(4.0), "pid": 1},
                                "after": {"legacy_hop_on_legacy_stream": row(1.0), "torch.cuda.current_stream": row(2.0),
                                          "pid": 2}})
     assert ch["after_over_before"] == {"legacy_hop_on_legacy_stream": 0.125, "torch.cuda.current_stream": 0.5}
@@ -132,3 +142,15 @@ def test_cpu_tiny_smoke_writes_every_field_from_its_arms(tmp_path, fq):
     d2 = json.loads(out.read_text())
     assert d2["e2e"] == e and d2["sections_run"] == ["legacy_hop"] and "legacy_hop" in d2["skipped"]
     assert [r["sections"] for r in d2["runs"]] == [list(host_cost.SECTIONS), ["legacy_hop"]]
+
+
+def test_host_seconds_shrink_when_the_run_is_behind_its_budget():
+    from types import SimpleNamespace
+    a = SimpleNamespace(budget_s=110.0, host_s=3.0, host_min_s=1.0)
+    clock = SimpleNamespace(now=lambda: 10.0)
+    b = host_cost.HostBudget(a, clock, measurements=5)
+    assert b.deadline() - time.perf_counter() == pytest.approx(3.0, abs=0.05), "on time: --host-s"
+    clock.now = lambda: 110.0 - host_cost.RESERVE_S - 6.0           # 6 s left for the 4 measurements left
+    assert b.deadline() - time.perf_counter() == pytest.approx(1.5, abs=0.05)
+    clock.now = lambda: 200.0                                        # past the budget: the floor
+    assert b.deadline() - time.perf_counter() == pytest.approx(1.0, abs=0.05)
