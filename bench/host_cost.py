@@ -57,7 +57,7 @@ time, down to ``--host-min-s``, where the run is behind); the e2e runs stop wher
 fit in ``--budget-s`` (the whole process, default 110 s), at least ``--e2e-min-runs`` per arm. On a fresh
 machine the node's warm-up step pays the JIT of the 8.9+PTX sage build's kernels on an sm_90 card and the
 Triton quantisers' compile (67-97 s on three fresh H100 starts, 2026-12-06): then the run can pass its budget.
-A timeline is printed and kept in the JSON.
+A timeline is printed and kept in the JSON (``runs[i].timeline``, per process).
 
     python3 -m bench.host_cost --out bench/results/host_cost_h100.json                      (GPU: every section)
     python3 -m bench.host_cost --legacy-hop --tag before --out bench/results/host_cost_h100.json
@@ -236,7 +236,9 @@ def comfy_setup(cpu: bool) -> dict:
     sage = sage and bool(getattr(att, "SAGE_ATTENTION_IS_AVAILABLE", False))
     fn = att.attention_sage if sage else att.attention_pytorch
     return {"att": att, "fn": fn, "torch_fn": att.attention_pytorch, "sage_fn": att.attention_sage if sage else None,
-            "ck_fn": getattr(att, "attention_comfy_kitchen_int8", None),
+            # newer ComfyUI's --use-ck-attention function, where comfy-kitchen's int8_attention runs here
+            "ck_fn": (getattr(att, "attention_comfy_kitchen_int8", None)
+                      if getattr(att, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False) else None),
             "label": ("attention_sage (ComfyUI as --use-sage-attention starts it)" if sage else
                       "attention_pytorch (no sageattention here: ComfyUI's own attention)"),
             "tree": os.path.dirname(list(spec.submodule_search_locations)[0])}
@@ -392,7 +394,7 @@ def kernel_alone(kern, kind: str, ctx, q, k, v, to_plain):
         f = c["sage_fn"]
         return (lambda: f(q, k, v, HEADS, mask=None, skip_reshape=True, transformer_options=to_plain),
                 f"ComfyUI's attention_sage (sageattn dispatching as on {ctx['arch_label']})")
-    if kind == "ck" and c["ck_fn"] is not None:
+    if kind == "ck" and kern.family == rt.ck_family and c["ck_fn"] is not None:
         f = c["ck_fn"]
         return (lambda: f(q, k, v, HEADS, mask=None, skip_reshape=True, transformer_options=to_plain),
                 "ComfyUI's attention_comfy_kitchen_int8")
@@ -685,6 +687,7 @@ def main(argv=None) -> dict:
     result["runs"] = (result.get("runs") or []) + [{"command": result["command"], "time_utc": result["time_utc"],
                                                      "pid": os.getpid(), "sections": wanted,
                                                      "legacy_hop_tag": a.tag if "legacy_hop" in wanted else None}]
+    result.pop("timeline", None)
     from safe_ops.families.registry import installed_kernels
     host_measurements = ((len(installed_kernels(rt)) if "guarded" in wanted else 0) + ("passthrough" in wanted)
                          + ("legacy_hop" in wanted))
@@ -694,7 +697,7 @@ def main(argv=None) -> dict:
                "legacy_hop": legacy_hop_section}
 
     def write():
-        result["timeline"] = tl.marks
+        result["runs"][-1]["timeline"] = tl.marks          # this process's; earlier runs keep theirs
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         with open(out_path, "w") as fh:
             json.dump(result, fh, indent=1, default=str)

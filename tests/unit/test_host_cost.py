@@ -102,7 +102,8 @@ def test_cpu_tiny_smoke_writes_every_field_from_its_arms(tmp_path, fq):
     res = host_cost.main(["--cpu", "--tiny", "--out", str(out)])
     d = json.loads(out.read_text())
     assert d["command"].startswith("python3 -m bench.host_cost") and d["device"] == "cpu" and d["tiny"]
-    assert d["timeline"] and all(len(m) == 2 for m in d["timeline"])
+    tl = d["runs"][-1]["timeline"]
+    assert tl and all(len(m) == 2 for m in tl) and tl[-1][1].startswith("wrote")
     assert "method" in d and "host_time" in d["method"]
 
     e = d["e2e"]
@@ -142,6 +143,7 @@ def test_cpu_tiny_smoke_writes_every_field_from_its_arms(tmp_path, fq):
     d2 = json.loads(out.read_text())
     assert d2["e2e"] == e and d2["sections_run"] == ["legacy_hop"] and "legacy_hop" in d2["skipped"]
     assert [r["sections"] for r in d2["runs"]] == [list(host_cost.SECTIONS), ["legacy_hop"]]
+    assert d2["runs"][0]["timeline"] == tl, "the first process's timeline is kept"
 
 
 def test_host_seconds_shrink_when_the_run_is_behind_its_budget():
