@@ -5,16 +5,20 @@ define NODE_CLASS_MAPPINGS here: ComfyUI then ignores comfy_entrypoint.
 
 All logic lives in safe_ops/, which imports no ComfyUI module at import time and is
 importable on its own (tests put the repository root on sys.path and `import safe_ops`).
-When this file is imported outside ComfyUI (no `comfy_api` to import, e.g. pytest treating
-the repository as a package; or no parent package, e.g. pytest importing it as a top-level
-module because the checkout's folder name, such as ComfyUI-SafeSage, is no Python identifier)
-it registers nothing and imports nothing heavy.
+When this file is imported outside a running ComfyUI it registers nothing and imports nothing
+heavy: no parent package (pytest importing it as a top-level module because the checkout's
+folder name, such as ComfyUI-SafeSage, is no Python identifier), or no ComfyUI that has set up
+its device (ComfyUI's main.py imports comfy.model_management, through execution and server,
+before it loads custom nodes; pytest importing the repository as a package with a ComfyUI tree
+on PYTHONPATH has not, and importing ComfyUI's node API here would start that set-up, or fail
+on a package ComfyUI's own start-up would have needed, such as PyAV).
 """
 import importlib.util
+import sys
 
 WEB_DIRECTORY = "./web"
 
-if not __package__ or importlib.util.find_spec("comfy_api") is None:
+if not __package__ or "comfy.model_management" not in sys.modules or importlib.util.find_spec("comfy_api") is None:
     __all__ = ["WEB_DIRECTORY"]
 else:
     try:

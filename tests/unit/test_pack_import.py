@@ -1,7 +1,12 @@
-"""Importing the pack outside a running ComfyUI (a script, a test, ComfyUI-Manager's checks) starts
-nothing of ComfyUI's: the stats route is registered only on the PromptServer that ComfyUI's main.py
-has already imported (``sys.modules["server"]``), never by importing ``server`` -- which runs
-ComfyUI's device set-up (comfy.model_management) and, on a CPU-only torch without --cpu, raises."""
+"""Importing the pack outside a running ComfyUI (a script, pytest treating the checkout as a
+package with a ComfyUI tree on PYTHONPATH, ComfyUI-Manager's checks) starts nothing of ComfyUI's:
+
+* the node API is imported only where ComfyUI has set up its device (``comfy.model_management``
+  imported, as ComfyUI's main.py has before it loads custom nodes): importing it elsewhere starts
+  that set-up -- on a CPU-only torch without --cpu it raises -- or fails on a package ComfyUI's own
+  start-up needs (PyAV: the GPU machine's pytest of tests/gpu failed collecting on it);
+* the stats route is registered only on the PromptServer ComfyUI's main.py has already imported
+  (``sys.modules["server"]``), never by importing ``server``."""
 import importlib.util
 import os
 import sys
@@ -32,14 +37,18 @@ def comfy_importable():
             del sys.modules[name]
 
 
-def test_importing_the_pack_does_not_import_comfyuis_server(comfy_importable, monkeypatch):
-    monkeypatch.delitem(sys.modules, "server", raising=False)
+def test_outside_a_running_comfyui_the_pack_imports_nothing_of_comfyuis(comfy_importable, monkeypatch):
+    for name in ("server", "comfy.model_management", "comfy_api.latest"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     pack = _import_pack("safesage_pack_test_a")
-    assert "server" not in sys.modules
-    assert pack.nodes.routes._registered is False
+    assert pack.__all__ == ["WEB_DIRECTORY"] and not hasattr(pack, "comfy_entrypoint")
+    assert not {"server", "comfy.model_management", "comfy_api.latest"} & set(sys.modules)
 
 
-def test_the_route_is_registered_on_the_running_prompt_server(comfy_importable, monkeypatch):
+def test_in_a_running_comfyui_the_route_goes_on_its_prompt_server(comfy_importable, monkeypatch):
+    import comfy.cli_args
+    monkeypatch.setattr(comfy.cli_args.args, "cpu", True)      # as the test servers start ComfyUI
+    import comfy.model_management  # noqa: F401 - what ComfyUI's main.py has imported by now
     added = []
 
     class Routes:
@@ -48,5 +57,6 @@ def test_the_route_is_registered_on_the_running_prompt_server(comfy_importable, 
     ps = types.SimpleNamespace(instance=types.SimpleNamespace(routes=Routes()))
     monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=ps))
     pack = _import_pack("safesage_pack_test_b")
+    assert "comfy_entrypoint" in pack.__all__
     assert pack.nodes.routes._registered is True
     assert [p for p, _ in added] == [pack.nodes.routes.STATS_PATH]
