@@ -132,7 +132,31 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
     a = assess(width, height, length, ref_images, text_tokens, policy, rt, free_bytes, comfy_wants_sage)
     lines, warnings = report_lines(a, model_note)
     lines += quality_lines(policy, a.rt, comfy_wants_sage)
+    lines += measured_length_lines()
     return {"text": "\n".join(lines), "tokens": a.tokens, "warnings": warnings, "verdicts": a.verdicts}
+
+
+#: the arms of facts/measured_lengths.json as the Preflight text names them
+MEASURED_ARMS = (("safesage", "SafeSage (node defaults)"), ("sage", "unguarded --use-sage-attention"),
+                 ("pytorch", "ComfyUI's own attention"))
+
+
+def measured_length_lines() -> list[str]:
+    """The measured longest lengths (facts/measured_lengths.json, issue #40), one line per free-memory
+    budget: what Preflight's own prediction -- SafeSage's temporaries only, not ComfyUI's weights and
+    activations -- cannot say."""
+    import json
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "facts", "measured_lengths.json")
+    with open(path) as f:
+        m = json.load(f)
+    lines = []
+    for gib, arms in sorted(m["budgets"].items(), key=lambda kv: float(kv[0])):
+        got = ", ".join(f"{label} {arms[k]['max_frames']} frames ({arms[k]['max_tokens']:,} tokens)"
+                        for k, label in MEASURED_ARMS if k in arms)
+        lines.append(f"measured longest at {gib} GiB free ({m['gpu']}, {m['width']}x{m['height']}, "
+                     f"{m['blocks']}-block H3, {m['steps']} step; {m['source']}): {got}")
+    return lines
 
 
 def quality_lines(policy, rt=None, comfy_wants_sage: bool | None = None) -> list[str]:
