@@ -17,7 +17,6 @@ import json
 import os
 
 from safe_ops.families import registry
-from safe_ops.families.family import Kernel
 from safe_ops.quality import targets
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -27,11 +26,9 @@ GRADUAL_DRIFT_FROM = 8.0
 
 
 def ceiling_of(family: str) -> float:
-    """The ceiling the guard hands decide() for a block planned on ``family`` (Kernel.quality_ceiling)."""
+    """The ceiling the guard hands decide() for a block planned on ``family`` (targets.family_ceiling)."""
     fam = registry.families().get(family)
-    if fam is None:
-        return targets.DEFAULT_CEILING
-    return Kernel(fam.envelope, None, fam.tolerance, benign_error=fam.benign_error).quality_ceiling
+    return targets.DEFAULT_CEILING if fam is None else targets.family_ceiling(fam.tolerance, fam.benign_error)
 
 
 def _decide(blocks: list[dict], order: list[str], quality: str = "balanced") -> list:

@@ -68,16 +68,6 @@ class Kernel:
     def family(self) -> str:
         return self.envelope.family
 
-    @property
-    def quality_ceiling(self) -> float:
-        """The most error a block of this kernel keeps under the quality guard's ``balanced``, whatever
-        the run's median (quality.targets.decide's ceiling): ``CEILING_FACTOR`` x its benign error,
-        never above its fault tolerance; the tolerance where no benign error is known."""
-        from ..quality.targets import CEILING_FACTOR
-        if self.benign_error is None:
-            return self.tolerance
-        return min(self.tolerance, CEILING_FACTOR * self.benign_error)
-
 
 def _dispatched_here(rt: "Runtime", name: str) -> bool:
     return name in (rt.sage_family, rt.ck_family)
@@ -102,7 +92,7 @@ class KernelFamily:
     drift_rank: int | None = None
     #: its rel. L2 on random H3-shaped inputs (24 heads x 128, bf16; the stress bench vs float32, flat
     #: in the sequence length from 38k to 305k tokens): its worst benign case -- flat attention --, from
-    #: which the quality guard's ceiling is made (Kernel.quality_ceiling). None: not measured.
+    #: which the quality guard's ceiling is made (quality.targets.family_ceiling). None: not measured.
     benign_error: float | None = None
 
     @property

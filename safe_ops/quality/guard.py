@@ -63,7 +63,7 @@ class _Pending:
     candidates: dict                 # family -> 0-d tensor or None
     probe: bool                      # step 1 (choose) or the report step (report only)
     order: list                      # the families it may move to, fastest first
-    ceiling: float | None = None     # the planned kernel's quality_ceiling (targets.decide's ceiling)
+    ceiling: float | None = None     # the planned kernel's targets.family_ceiling (decide's ceiling)
 
 
 @dataclass
@@ -254,8 +254,8 @@ class QualityGuard:
             return
         STATS.bump("probes" if st.mode == PROBE else "report_probes")
         kern = att.kernels.get(plan.kernel)
-        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order,
-                                   getattr(kern, "quality_ceiling", None)))
+        ceiling = targets.family_ceiling(kern.tolerance, kern.benign_error) if kern is not None else None
+        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order, ceiling))
 
     def _conclude(self, st: RunState, pend: list, values: dict) -> None:
         """The measured step's errors are on the host: choose (step 1) or report (a later step)."""

@@ -43,7 +43,7 @@ STRICT_ERROR = 0.02
 COMFY = "sdpa"          # ComfyUI's own attention (the family name SafeSage gives it)
 #: a family's ceiling where the caller names none: the default fault tolerance (families.family)
 DEFAULT_CEILING = 0.12
-#: a family's ceiling: this many times its error on random H3-shaped inputs (Kernel.quality_ceiling) --
+#: a family's ceiling: this many times its error on random H3-shaped inputs (:func:`family_ceiling`) --
 #: the repro's own rule for a silently wrong output (bench/repro/verdict.py WRONG_FACTOR: 2 x the
 #: kernel's in-limit error), applied per block: sage 1.0.6 0.027, sage 2's fp16 PV 0.023, its fp8 PV
 #: 0.078-0.079, comfy-kitchen 0.035 (each under its fault tolerance, 0.05 / 0.12)
@@ -89,6 +89,14 @@ class Choice:
         return self.family != self.planned
 
 
+def family_ceiling(tolerance: float, benign_error: float | None) -> float:
+    """The most error a block planned on a kernel keeps under ``balanced``, whatever the run's median
+    (:func:`decide`'s ceiling): :data:`CEILING_FACTOR` x the kernel's random-input error
+    (``Kernel.benign_error``), never above its fault tolerance; the tolerance where no such error is
+    known."""
+    return tolerance if benign_error is None else min(tolerance, CEILING_FACTOR * benign_error)
+
+
 def target_for(quality: str, median: float | None, ceiling: float | None = None) -> float | None:
     """A block's target given its family's median error over the run's blocks of its class, never
     above ``ceiling`` (the family's own ceiling: :func:`decide`). With no median (every block of the
@@ -107,7 +115,7 @@ def decide(measured: list[BlockErrors], quality: str, order: list[str],
     (ComfyUI's own is the last resort whether listed or not).
 
     ``ceilings``: planned family -> the most error a block of it may keep under ``balanced``,
-    whatever the run's median -- the guard hands in each kernel's ``quality_ceiling``
+    whatever the run's median -- the guard hands in each kernel's :func:`family_ceiling`
     (:data:`CEILING_FACTOR` x its random-input error, at most its fault tolerance); a family not in
     it gets :data:`DEFAULT_CEILING`. A relative target alone never moves anything when half
     or more of a class's blocks drift (the median is then the drift: sage 1.0.6's drifting blocks

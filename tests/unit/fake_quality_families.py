@@ -33,7 +33,7 @@ def make_family(kit, name, kind, levels, error=None, tolerance=0.5, benign_error
     every call: a relative size, or it raises), noise of that relative size added to the output. The
     launch is counted (:data:`LAUNCHES`) before ``error`` is read. ``tolerance``: its first-call check's
     bound, which is also the quality guard's ceiling for blocks planned on it, unless ``benign_error``
-    (its random-input error) makes the ceiling lower (Kernel.quality_ceiling)."""
+    (its random-input error) makes the ceiling lower (quality.targets.family_ceiling)."""
     LAUNCHES.setdefault(name, 0)
     env = kit.Envelope(family=name, source="tests/unit/fake_quality_families.py", head_dims=(16, 32, 64, 128),
                        dtypes=("float32",), supports_mask=False, terms=(), devices=("cpu",),

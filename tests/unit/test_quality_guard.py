@@ -434,7 +434,7 @@ def test_moved_block_switched_off_family_is_not_run(fresh, extra_families):
 def test_a_majority_of_drifting_blocks_moves_over_the_planned_familys_ceiling(fresh, extra_families, tolerance,
                                                                                benign_error):
     """5 of 8 blocks drift (the run's median is a drifting block's error: the relative target alone moves
-    nothing). The planned kernel's quality_ceiling caps the target (targets.decide's ceiling, handed in
+    nothing). The planned kernel's family_ceiling caps the target (targets.decide's ceiling, handed in
     by the guard): its fault tolerance, or 2 x its random-input error where that is lower. Every
     drifting block moves to fake_kitchen, no benign one does."""
     from safe_ops.attention.override import SafeAttention
