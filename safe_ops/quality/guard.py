@@ -254,7 +254,8 @@ class QualityGuard:
             return
         STATS.bump("probes" if st.mode == PROBE else "report_probes")
         kern = att.kernels.get(plan.kernel)
-        ceiling = targets.family_ceiling(kern.tolerance, kern.benign_error) if kern is not None else None
+        tol = getattr(kern, "tolerance", None)
+        ceiling = targets.family_ceiling(tol, getattr(kern, "benign_error", None)) if tol is not None else None
         st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order, ceiling))
 
     def _conclude(self, st: RunState, pend: list, values: dict) -> None:
