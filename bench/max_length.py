@@ -169,14 +169,7 @@ class Call:
         key = {"ckpt": os.path.abspath(self.a.ckpt), "bytes": st.st_size, "mtime": int(st.st_mtime),
                "steps": self.a.steps, "seed": self.a.seed, "cpu": self.a.cpu, "width": self.a.width,
                "height": self.a.height, "text_tokens": self.a.text_tokens}
-        meta = os.path.join(self.refs, "store.json")
-        old = json.load(open(meta)) if os.path.exists(meta) else None
-        if old != key:
-            for n in os.listdir(self.refs):
-                if n.endswith(".pt"):
-                    os.remove(os.path.join(self.refs, n))
-            with open(meta, "w") as f:
-                json.dump(key, f)
+        driver.keep_store(self.refs, key)
 
     # ---------------------------------------------------------------- one server
     def row(self, arm: str, size: str, timeout: float) -> tuple[dict, str | None]:

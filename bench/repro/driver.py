@@ -51,6 +51,22 @@ class Ballast:
             self.p.kill()
 
 
+def keep_store(path: str, key: dict) -> None:
+    """A folder of kept latents (``*.pt``) made for the settings ``key``: emptied, and ``key`` written
+    to its store.json, when it was made for other settings (or none)."""
+    meta = os.path.join(path, "store.json")
+    old = None
+    if os.path.exists(meta):
+        with open(meta) as f:
+            old = json.load(f)
+    if old != key:
+        for n in os.listdir(path):
+            if n.endswith(".pt"):
+                os.remove(os.path.join(path, n))
+        with open(meta, "w") as f:
+            json.dump(key, f)
+
+
 def _latent_store(a, doc) -> dict:
     """--keep-latents DIR: the sampled latents of earlier driver runs with the same checkpoint, steps, seed
     and emulated arch, {(size, arm): path}, so arms split over several device calls are still compared
@@ -61,17 +77,7 @@ def _latent_store(a, doc) -> dict:
     st = os.stat(a.ckpt)
     key = {"ckpt": os.path.abspath(a.ckpt), "ckpt_bytes": st.st_size, "ckpt_mtime": int(st.st_mtime),
            "steps": a.steps, "seed": a.seed, "emulate_arch": a.emulate_arch, "cpu": a.cpu}
-    meta = os.path.join(a.keep_latents, "store.json")
-    old = None
-    if os.path.exists(meta):
-        with open(meta) as f:
-            old = json.load(f)
-    if old != key:
-        for n in os.listdir(a.keep_latents):
-            if n.endswith(".pt"):
-                os.remove(os.path.join(a.keep_latents, n))
-        with open(meta, "w") as f:
-            json.dump(key, f)
+    keep_store(a.keep_latents, key)
     found = {}
     for n in sorted(os.listdir(a.keep_latents)):
         size, _, arm = n[:-3].partition("_")
