@@ -76,6 +76,9 @@ def parser() -> argparse.ArgumentParser:
                    help="keep each completed arm's latent here and compare with those an earlier run "
                         "(same checkpoint, steps, seed, arch) left, so arms can be split over calls")
     d.add_argument("--synth-info", default=None, help="synth_h3.py's JSON line, recorded in the results")
+    d.add_argument("--prompts", type=int, default=1,
+                   help="prompts per row, one server: the 2nd and later (own noise seed, no latent kept) give "
+                        "step times without the server's one-time costs (worker.later_prompts)")
     k = sub.add_parser("soak", parents=[common], help="one server, many prompts, memory after each (soak.py)")
     k.add_argument("--arm", choices=list(arms.ARMS), required=True)
     k.add_argument("--size", type=arms.size_arg, required=True, help=SIZE_HELP)

@@ -156,7 +156,8 @@ def driver(a, argv=()) -> dict:
                 continue
             got = worker.run_row(comfy=a.comfy, ckpt=a.ckpt, arm=arm, size=size, work=work, steps=a.steps,
                                  seed=a.seed, cpu=a.cpu, debug=a.debug, emulate_arch=a.emulate_arch,
-                                 timeout=min(a.arm_timeout, max(10, left - 5)), extra_flags=a.comfy_flag)
+                                 timeout=min(a.arm_timeout, max(10, left - 5)), extra_flags=a.comfy_flag,
+                                 prompts=getattr(a, "prompts", 1))
             lat, log = got.pop("latent"), got.pop("log")
             if got["error"] is None:
                 got.pop("error")

@@ -114,3 +114,20 @@ def test_soak_one_server_many_prompts_interrupt_and_reload(tmp_path, tiny_h3):
     assert calls == [per_prompt, 2 * per_prompt, 3 * per_prompt]
     assert by["after reload prompt"]["safesage"]["fallbacks"] == 0
     assert by["after prompt 1"]["device"] == "cpu" and doc["verdict"]["memory_measured"] is False
+
+
+def test_later_prompts_run_in_the_same_server_and_keep_the_first_prompts_row(tiny_h3, tmp_path):
+    """--prompts 2: the graph runs again in the same server with its own noise seed (ComfyUI's cache
+    would otherwise skip the sampler); the row (steps, latent, comparison) stays the first prompt's,
+    the second prompt's step times come apart, and the guard measured each run (2 x the forwards)."""
+    from bench.repro import driver
+    a = _args(tmp_path, tiny_h3["path"], ["tiny:safesage"], keep_latents=str(tmp_path / "lat"), prompts=2)
+    doc = driver.driver(a, ["all", "--cpu", "--prompts", "2"])
+    r = doc["runs"][0]
+    assert r["outcome"] == "completed", (r.get("error"), r.get("log_tail"))
+    w = r["worker"]
+    later = w["later_prompts"]
+    assert [p["prompt"] for p in later] == [2] and later[0]["outcome"] == "completed", later
+    assert len(later[0]["s_per_step"]) == STEPS and len(w["s_per_step"]) == STEPS
+    assert w["safesage_report"]["forwards"] == 2 * STEPS
+    assert (tmp_path / "lat" / "tiny_safesage.pt").exists()
