@@ -26,7 +26,7 @@ if importlib.util.find_spec("comfy") is None:
 import comfy.cli_args  # noqa: E402
 
 comfy.cli_args.args.cpu = True     # before comfy.model_management is imported (here or by the pack's routes)
-from bench import host_cost  # noqa: E402
+from bench import host_cost, host_cost_e2e, host_cost_timing  # noqa: E402
 
 
 def busy(us: float):
@@ -39,9 +39,9 @@ def busy(us: float):
 
 def test_a_fake_arm_twice_as_slow_reads_about_two():
     import torch
-    arms = host_cost.host_arms({"slow": busy(400), "fast": busy(200)}, calls=5, dev=torch.device("cpu"),
-                               min_reps=7, max_reps=7, deadline=0.0)
-    r = host_cost.ratio_of(arms["slow"]["rounds_us"], arms["fast"]["rounds_us"])
+    arms = host_cost_timing.host_arms({"slow": busy(400), "fast": busy(200)}, calls=5, dev=torch.device("cpu"),
+                                      min_reps=7, max_reps=7, deadline=0.0)
+    r = host_cost_timing.ratio_of(arms["slow"]["rounds_us"], arms["fast"]["rounds_us"])
     assert 1.6 < r["ratio"] < 2.6, r
     assert r["rounds"] == 7 and r["per_round"][0] <= r["ratio"] <= r["per_round"][1]
     assert r["ratio"] == round(statistics.median(arms["slow"]["rounds_us"]) /
@@ -52,8 +52,8 @@ def test_a_fake_arm_twice_as_slow_reads_about_two():
 def test_host_rounds_run_until_their_deadline():
     import torch
     t0 = time.perf_counter()
-    arms = host_cost.host_arms({"a": busy(50), "b": busy(50)}, calls=4, dev=torch.device("cpu"), min_reps=2,
-                               max_reps=10_000, deadline=time.perf_counter() + 0.3)
+    arms = host_cost_timing.host_arms({"a": busy(50), "b": busy(50)}, calls=4, dev=torch.device("cpu"), min_reps=2,
+                                      max_reps=10_000, deadline=time.perf_counter() + 0.3)
     took = time.perf_counter() - t0
     assert 0.3 <= took < 3.0 and arms["a"]["host_us"]["n"] > 2, (took, arms["a"]["host_us"])
 
@@ -67,8 +67,8 @@ def test_interleave_alternates_and_stops_at_the_deadline_after_the_minimum():
             t[0] += 1.0
             return t[0]
         return f
-    out = host_cost.interleave({"a": arm("a"), "b": arm("b")}, min_reps=3, max_reps=50, deadline=4.5,
-                               clock=lambda: t[0])
+    out = host_cost_timing.interleave({"a": arm("a"), "b": arm("b")}, min_reps=3, max_reps=50, deadline=4.5,
+                                      clock=lambda: t[0])
     assert order == ["a", "b"] * 3, "ABAB..., and the minimum is run although the deadline passed at round 3"
     assert len(out["a"]) == len(out["b"]) == 3
 
@@ -76,7 +76,7 @@ def test_interleave_alternates_and_stops_at_the_deadline_after_the_minimum():
 def test_e2e_ratio_is_the_median_step_from_step_2_and_step_1_is_apart():
     runs = {"node": [[10.0, 2.0, 2.0, 2.0], [12.0, 2.2, 2.2, 2.2]],
             "plain": [[5.0, 1.0, 1.0, 1.0], [5.0, 1.1, 1.1, 1.1]]}
-    s = host_cost.e2e_summary(runs, "node", "plain")
+    s = host_cost_e2e.e2e_summary(runs, "node", "plain")
     assert s["ratio"] == 2.0 and s["per_pair"] == [2.0, 2.0] and s["pairs"] == 2
     assert s["step1_ms"]["node"]["median"] == 11.0 and s["step1_extra_ms"] == 6.0
     assert s["steps_from_2_ms"]["plain"]["n"] == 6
@@ -121,8 +121,8 @@ def test_cpu_tiny_smoke_writes_every_field_from_its_arms(tmp_path, fq):
     for fam in (fq.SAGE, fq.KITCHEN):
         row = g[fam]
         assert row["plans"] and all(p[1] == fam for p in row["plans"]), row["plans"]
-        assert row["guarded_over_kernel_host"] == host_cost.ratio_of(row["guarded"]["rounds_us"],
-                                                                     row["kernel"]["rounds_us"])["ratio"]
+        assert row["guarded_over_kernel_host"] == host_cost_timing.ratio_of(row["guarded"]["rounds_us"],
+                                                                            row["kernel"]["rounds_us"])["ratio"]
         assert d["guarded_over_kernel_host"][fam] == row["guarded_over_kernel_host"]
         assert row["guard_us"] == round(row["guarded"]["host_us"]["median"] - row["kernel"]["host_us"]["median"], 2)
         assert "skipped" in row["kernel_gpu_ms"], "the 38k GPU time needs a GPU"
@@ -130,8 +130,8 @@ def test_cpu_tiny_smoke_writes_every_field_from_its_arms(tmp_path, fq):
 
     p = d["passthrough"]
     arms = p["arms"]
-    assert p["sdpa_policy"]["ratio"] == host_cost.ratio_of(arms["handed_on_sdpa_policy"]["rounds_us"],
-                                                           arms["comfy"]["rounds_us"])["ratio"]
+    assert p["sdpa_policy"]["ratio"] == host_cost_timing.ratio_of(arms["handed_on_sdpa_policy"]["rounds_us"],
+                                                                  arms["comfy"]["rounds_us"])["ratio"]
     assert d["passthrough_over_comfy_host"] == max(p["sdpa_policy"]["ratio"], p["masked_defaults"]["ratio"])
     assert p["ran"]["fallbacks"] > 0, "the masked calls were handed on"
 
@@ -150,9 +150,9 @@ def test_host_seconds_shrink_when_the_run_is_behind_its_budget():
     from types import SimpleNamespace
     a = SimpleNamespace(budget_s=110.0, host_s=3.0, host_min_s=1.0)
     clock = SimpleNamespace(now=lambda: 10.0)
-    b = host_cost.HostBudget(a, clock, measurements=5)
+    b = host_cost_timing.HostBudget(a, clock, measurements=5)
     assert b.deadline() - time.perf_counter() == pytest.approx(3.0, abs=0.05), "on time: --host-s"
-    clock.now = lambda: 110.0 - host_cost.RESERVE_S - 6.0           # 6 s left for the 4 measurements left
+    clock.now = lambda: 110.0 - host_cost_timing.RESERVE_S - 6.0    # 6 s left for the 4 measurements left
     assert b.deadline() - time.perf_counter() == pytest.approx(1.5, abs=0.05)
     clock.now = lambda: 200.0                                        # past the budget: the floor
     assert b.deadline() - time.perf_counter() == pytest.approx(1.0, abs=0.05)
