@@ -65,6 +65,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--emulate-arch", default=None, metavar="smNNN", help="as bench.repro (sm120: sage 2.2's sm_120 path)")
     ap.add_argument("--preflight-sage", default="2.2.0", help="sageattention version Preflight assumes")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke: no hold (the budget only sets Preflight's length)")
+    ap.add_argument("--preflight-only", type=float, default=None, metavar="GIB",
+                    help="internal: print Preflight's prediction for this budget as JSON and exit (the driver "
+                         "runs it in a child that sees no GPU)")
+    ap.add_argument("--gpu-label", default="cpu", help="internal: the GPU name --preflight-only puts in its scenario")
     ap.add_argument("--start-frames", nargs="+", default=[], metavar="[ARM=]N",
                     help="first probe instead of Preflight's length (all arms, or ARM=N)")
     ap.add_argument("--start-note", default=None, help="where --start-frames came from (recorded)")
@@ -110,11 +114,26 @@ def flat(lat):
     return torch.cat([lat["video"].flatten(), lat["audio"].flatten()])
 
 
+def preflight_fit(a, gib: float, gpu: str) -> dict:
+    """safe_ops.ui.preflight.max_length_within for budget ``gib`` on the emulated arch (default sm120)."""
+    arch = a.emulate_arch or "sm120"
+    cap = (int(arch[2:-1]), int(arch[-1]))
+    rt = Runtime("", None, gpu if gpu != "cpu" else "unknown GPU", cap, a.preflight_sage,
+                 sage_family_for(a.preflight_sage, cap), None, "cudaMallocAsync", True, None)
+    fit = max_length_within(int(gib * GiB), a.width, a.height, text_tokens=a.text_tokens,
+                            rt=rt, max_length=a.max_frames, count=h3_tokens)
+    return {"max_frames": fit.length, "max_tokens": fit.tokens, "predicted_peak_gib": fmt_gib(fit.peak_bytes),
+            "next_frames": fit.next_length, "next_tokens": fit.next_tokens,
+            "next_predicted_peak_gib": fmt_gib(fit.next_peak_bytes), "capped_by_max_frames": fit.capped,
+            "scenario": fit.scenario.label, "family": fit.scenario.family, "model": PREFLIGHT_MODEL,
+            "function": "safe_ops.ui.preflight.max_length_within"}
+
+
 class Call:
     """One invocation: its document, clock, reference store and servers."""
 
     def __init__(self, a, argv):
-        self.a, self.t0 = a, time.time()
+        self.a, self.t0, self.argv = a, time.time(), list(argv)
         self.work = os.path.abspath(a.work)
         self.refs = os.path.abspath(a.ref_dir or os.path.join(self.work, "refs"))
         os.makedirs(self.refs, exist_ok=True)
@@ -240,17 +259,18 @@ class Call:
 
     # ---------------------------------------------------------------- one budget
     def preflight(self, gib: float) -> dict:
-        arch = self.a.emulate_arch or "sm120"
-        cap = (int(arch[2:-1]), int(arch[-1]))
-        rt = Runtime("", None, self.gpu if self.gpu != "cpu" else "unknown GPU", cap, self.a.preflight_sage,
-                     sage_family_for(self.a.preflight_sage, cap), None, "cudaMallocAsync", True, None)
-        fit = max_length_within(int(gib * GiB), self.a.width, self.a.height, text_tokens=self.a.text_tokens,
-                                rt=rt, max_length=self.a.max_frames, count=h3_tokens)
-        return {"max_frames": fit.length, "max_tokens": fit.tokens, "predicted_peak_gib": fmt_gib(fit.peak_bytes),
-                "next_frames": fit.next_length, "next_tokens": fit.next_tokens,
-                "next_predicted_peak_gib": fmt_gib(fit.next_peak_bytes), "capped_by_max_frames": fit.capped,
-                "scenario": fit.scenario.label, "family": fit.scenario.family, "model": PREFLIGHT_MODEL,
-                "function": "safe_ops.ui.preflight.max_length_within"}
+        """Preflight's prediction for this budget. On a GPU it is asked in a child process that sees
+        no GPU (CUDA_VISIBLE_DEVICES empty): the node's code it runs (SafeAttention) opens a CUDA
+        context where one is available, which this driver must not hold (``driver_cuda_initialized``)."""
+        if self.a.cpu:
+            return preflight_fit(self.a, gib, self.gpu)
+        cmd = [sys.executable, "-m", "bench.max_length", "--preflight-only", str(gib),
+               "--gpu-label", str(self.gpu or "cpu"), *self.argv]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                           timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"Preflight's prediction failed: {r.stderr.strip()[-400:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
 
     def budget(self, gib: float, il: dict):
         a, key = self.a, budget_key(gib)
@@ -361,6 +381,9 @@ def _load(path):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     a = parser().parse_args(argv)
+    if a.preflight_only is not None:          # the child Call.preflight starts (no GPU visible)
+        print(json.dumps(preflight_fit(a, a.preflight_only, a.gpu_label)))
+        return None
     c = Call(a, argv)
     il = c.in_limit()
     c.doc["in_limit"] = il

@@ -388,3 +388,26 @@ def test_merge_budget_drops_a_stale_summary_while_an_arm_is_unjudged():
     assert m["preflight"] == {"max_tokens": 400} and m["commands"] == ["a", "b"]
     done = ms.merge_budget(old, {"command": "b", "arms": {"pytorch": _arm(300)}})
     assert done["best_other"] == "pytorch" and done["preflight"]["over_measured_safesage"] == 2.0
+
+
+def test_on_a_gpu_preflights_prediction_is_asked_in_a_child_that_sees_no_gpu(tmp_path, monkeypatch):
+    """Call.preflight off the CPU smoke: a child ``--preflight-only`` run with CUDA_VISIBLE_DEVICES empty
+    (the node code it runs opens a CUDA context where it can, which the driver must not hold before the
+    hold is sized), whose answer is the in-process one."""
+    import subprocess as sp
+
+    from bench import max_length
+    argv = ["--comfy", "x", "--ckpt", "x", "--budget-gib", "24", "--out", str(tmp_path / "o.json")]
+    a = max_length.parser().parse_args(argv)
+    seen = {}
+    real_run = sp.run
+
+    def run(cmd, **kw):
+        seen["cmd"], seen["visible"] = cmd, kw["env"].get("CUDA_VISIBLE_DEVICES")
+        return real_run(cmd, **kw)
+    monkeypatch.setattr(max_length.subprocess, "run", run)
+    fake_call = type("C", (), {"a": a, "argv": argv, "gpu": "NVIDIA H100 80GB HBM3"})()
+    got = max_length.Call.preflight(fake_call, 24.0)
+    assert seen["visible"] == "" and "--preflight-only" in seen["cmd"]
+    assert got == max_length.preflight_fit(a, 24.0, "NVIDIA H100 80GB HBM3")
+    assert got["max_frames"] == 3592
