@@ -279,8 +279,9 @@ def set_info(name: str, value: Any) -> None:
 
 
 def info_max(name: str, value: int) -> None:
-    """``snapshot()[name]`` is the largest ``value`` given since the last ``reset()``."""
-    if _tracing():
+    """``snapshot()[name]`` is the largest ``value`` given since the last ``reset()``. No lock once the
+    largest is known (the MLP asks on every call): a value not above it returns at once."""
+    if _tracing() or (name in _MAXIMA and value <= _extra.get(name, 0)):
         return
     with _lock:
         _MAXIMA.add(name)

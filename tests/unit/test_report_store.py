@@ -294,3 +294,30 @@ def test_the_mlp_reports_its_largest_intermediates():
     assert report.snapshot()[mlp.PEAK_INFO] == 200 * tok
     report.reset()
     assert mlp.PEAK_INFO not in report.snapshot()
+
+
+def test_info_max_takes_no_lock_once_the_largest_is_known(monkeypatch):
+    """The MLP reports its peak on every call: a value not above the known largest returns without the
+    store's lock; a larger one still goes through it."""
+    entered = []
+
+    class Counting:
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            entered.append(1)
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+    report.reset()
+    monkeypatch.setattr(report, "_lock", Counting(report._lock))
+    report.info_max("peak_test", 10)
+    n = len(entered)
+    for v in (3, 10, 7):
+        report.info_max("peak_test", v)
+    assert len(entered) == n, "no lock for values not above the largest"
+    report.info_max("peak_test", 11)
+    assert len(entered) == n + 1 and report.snapshot()["peak_test"] == 11
+    report.reset()
