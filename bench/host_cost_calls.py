@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-import statistics
 import time
 
 import torch
 
+from bench.benchutil import time_ms
 from bench.gpu_quality import DIM, HEADS
 from bench.host_cost_timing import Timeline, host_arms, ratio_of
 
@@ -64,21 +64,6 @@ def kernel_alone(kern, kind: str, ctx, q, k, v, to_plain):
     return (lambda: fn(q, k, v, "HND", None).transpose(1, 2).reshape(1, S, HEADS * DIM),
             "the family's own call as SafeSage's adapter makes it, output reshaped as ComfyUI's sage path does "
             "(this ComfyUI has no function that runs this kernel)")
-
-
-def device_ms(fn, reps: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        o = fn()
-        b.record()
-        torch.cuda.synchronize()
-        del o
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def guarded_section(ctx, a, tl: Timeline) -> dict:
@@ -139,7 +124,7 @@ def guarded_section(ctx, a, tl: Timeline) -> dict:
                 if big is None:
                     big = h3_views(a.gpu_tokens, dev, dt)
                 big_alone, _ = kernel_alone(kern, kind, ctx, *big, dict(to_plain))
-                ms = device_ms(big_alone)
+                ms = time_ms({"kernel": big_alone}, 3)["kernel"]   # CUDA events, median of 3
                 row["kernel_gpu_ms"] = {"tokens": a.gpu_tokens, "ms": round(ms, 3)}
                 row["guard_us_over_kernel_gpu"] = round(max(row["guard_us"], 0.0) / (ms * 1e3), 7)
             except Exception as e:  # noqa: BLE001
