@@ -411,3 +411,14 @@ def test_on_a_gpu_preflights_prediction_is_asked_in_a_child_that_sees_no_gpu(tmp
     assert seen["visible"] == "" and "--preflight-only" in seen["cmd"]
     assert got == max_length.preflight_fit(a, 24.0, "NVIDIA H100 80GB HBM3")
     assert got["max_frames"] == 3592
+
+
+def test_preflights_max_length_is_the_preflight_nodes_length_maximum():
+    """The node lists its inputs without importing safe_ops (it is listed even when safe_ops fails to
+    import), so its ``length`` maximum is written there: it must be preflight.MAX_LENGTH."""
+    import re
+
+    from safe_ops.ui import preflight as pf
+    src = (Path(__file__).resolve().parents[2] / "nodes" / "safe_sage.py").read_text()
+    m = re.search(r'io\.Int\.Input\("length",[^)]*max=(\d+)', src)
+    assert m and int(m.group(1)) == pf.MAX_LENGTH
