@@ -21,6 +21,10 @@ ARMS = {
     "safesage_sage": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {"kernel": "sage"}},
     # the quality guard off (fault checks only): SafeSage's own cost, apart from the blocks the guard moves
     "safesage_faults": {"flags": ["--use-sage-attention"], "env": {}, "safesage": {"quality": "faults only"}},
+    # faults only, step 1 measured without candidates (the report step): the probe's reference alone, so the
+    # candidates' share of the guard's step-1 cost separates (issue #37 point 4)
+    "safesage_refonly": {"flags": ["--use-sage-attention"], "env": {},
+                         "safesage": {"quality": "faults only", "quality_probe_step": 1}},
     "sage_blocking": {"flags": ["--use-sage-attention"], "env": {"CUDA_LAUNCH_BLOCKING": "1"}, "safesage": None},
     "sage_nodyn": {"flags": ["--use-sage-attention", "--disable-dynamic-vram"], "env": {}, "safesage": None},
     # the comparison cases with SafeSage inserted (each matched with its own unguarded arm)
@@ -31,6 +35,7 @@ ARMS = {
 DEFAULT_ARMS = ["pytorch", "sage", "safesage", "safesage_sage", "sage_blocking", "sage_nodyn"]
 # guarded arm -> the same configuration without SafeSage
 UNGUARDED = {"safesage": "sage", "safesage_sage": "sage", "safesage_faults": "sage",
+             "safesage_refonly": "sage",
              "safesage_blocking": "sage_blocking", "safesage_nodyn": "sage_nodyn", "safesage_pytorch": "pytorch"}
 ARM_LABEL = {
     "pytorch": "PyTorch attention + dynamic VRAM",
@@ -38,6 +43,7 @@ ARM_LABEL = {
     "safesage": "SafeSageAttention (node defaults) + dynamic VRAM",
     "safesage_sage": "SafeSageAttention kernel=sage + dynamic VRAM",
     "safesage_faults": "SafeSageAttention quality='faults only' + dynamic VRAM",
+    "safesage_refonly": "SafeSageAttention quality='faults only', quality_probe_step=1 (reference only) + dynamic VRAM",
     "sage_blocking": "--use-sage-attention + dynamic VRAM + CUDA_LAUNCH_BLOCKING=1",
     "sage_nodyn": "--use-sage-attention --disable-dynamic-vram",
     "safesage_blocking": "SafeSageAttention + CUDA_LAUNCH_BLOCKING=1",
