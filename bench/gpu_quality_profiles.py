@@ -19,6 +19,12 @@ error, the target, where it moved. Per arm: the stack's final-output rel. L2 aga
 for the guard) and the step's ms; ``guard_over_sage_step`` = guard step 2 ms / sage_only ms.
 
     python3 -m bench.gpu_quality_profiles --emulate-arch sm120 --tokens 16384 --out bench/results/quality_guard_profiles_h100.json
+
+One process per sage path (sage 1 and 2 are one package name); ``--merge`` joins the paths' JSONs into
+the one result, ``profiles[name][path]`` (CPU):
+
+    python3 -m bench.gpu_quality_profiles --merge sage106_sm89=A.json sage22_sm120=B.json --repo-rev REV \
+        --out bench/results/quality_guard_profiles_h100.json
 """
 from __future__ import annotations
 
@@ -92,8 +98,31 @@ class ProfileStack:
         return x
 
 
+def merge(named: list[str], repo_rev: str | None, note: str | None) -> dict:
+    """``path=JSON`` items (one process's result each) as one result: ``paths[path]`` its run's fields,
+    ``profiles[name][path]`` its profiles."""
+    doc: dict = {"harness": "bench.gpu_quality_profiles", "repo_rev": repo_rev, "note": note, "paths": {},
+                 "profiles": {}}
+    for item in named:
+        path, _, fname = item.partition("=")
+        if not fname:
+            raise SystemExit(f"--merge takes PATH=JSON items, not {item!r}")
+        with open(fname) as f:
+            run = json.load(f)
+        doc["paths"][path] = {k: v for k, v in run.items() if k != "profiles"}
+        for name, prof in run["profiles"].items():
+            doc["profiles"].setdefault(name, {})[path] = prof
+    first = next(iter(doc["paths"].values()), {})
+    for key in ("gpu", "tokens", "blocks", "seed", "policy"):
+        doc[key] = first.get(key)
+    return doc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--merge", nargs="+", metavar="PATH=JSON", help="join per-path results (no GPU)")
+    ap.add_argument("--repo-rev", default=None, help="with --merge: the pack's revision the runs ran")
+    ap.add_argument("--note", default=None, help="with --merge: a note for the result")
     ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--blocks", type=int, default=50)
@@ -103,6 +132,11 @@ def main() -> None:
                     help="ComfyUI started with --use-sage-attention (its attention_sage is the function handed in)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.merge:
+        with open(a.out, "w") as fh:
+            json.dump(merge(a.merge, a.repo_rev, a.note), fh, indent=1)
+        print("wrote", a.out)
+        return
 
     import comfy.ldm.modules.attention as comfy_att
     from safe_ops.attention.override import SafeAttention

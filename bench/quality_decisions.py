@@ -80,7 +80,7 @@ def h200_runs(path: str) -> dict:
     return out
 
 
-SOURCES = {"profiles_h100_8k": ("quality_guard_profiles_h100.json", profiles),
+SOURCES = {"profiles_h100_8k": ("quality_guard_profiles_before_h100.json", profiles),
            "bench_h200_38k_sage106": ("quality_guard_sage106_h200.json", h200_runs),
            "bench_h200_38k_sage22": ("quality_guard_sage22_h200.json", h200_runs)}
 

@@ -208,7 +208,7 @@ def test_committed_measurements_decided_again_move_no_benign_block_and_lose_no_d
     for name in ("quality_guard_sage106_h200.json", "quality_guard_sage22_h200.json"):
         for run, r in qd.h200_runs(str(REPO / "bench" / "results" / name)).items():
             assert r["benign_moved"] == [] and r["drifting_kept"] == [], (name, run, r["lines"])
-    path = REPO / "bench" / "results" / "quality_guard_profiles_h100.json"
+    path = REPO / "bench" / "results" / "quality_guard_profiles_before_h100.json"
     committed = json.loads(path.read_text())["profiles"]
     for profile, paths in qd.profiles(str(path)).items():
         for sage_path, r in paths.items():
@@ -230,7 +230,7 @@ def test_a_majority_of_sage1_drifting_blocks_moves_over_twice_its_random_input_e
     The ceiling of 2 x sage 1's random-input error (0.027) moves every drifting block over it, to
     comfy-kitchen (3.4x or more better on each), and no benign block."""
     from bench import quality_decisions as qd
-    path = REPO / "bench" / "results" / "quality_guard_profiles_h100.json"
+    path = REPO / "bench" / "results" / "quality_guard_profiles_before_h100.json"
     blocks = json.loads(path.read_text())["profiles"]["majority"]["sage106_sm89"]["guard"]["blocks"]
     r = qd.profiles(str(path))["majority"]["sage106_sm89"]
     over = {b["block"] for b in blocks if b["factor"] > 1 and b["planned_error"] > qd.ceiling_of("sage1_triton")}
@@ -260,3 +260,32 @@ def test_the_ceiling_is_the_repros_wrong_output_rule_on_each_familys_random_inpu
             assert ceiling == fam.tolerance, name
         else:
             assert ceiling == min(fam.tolerance, CEILING_FACTOR * fam.benign_error) < fam.tolerance, name
+
+
+def test_the_device_run_under_todays_targets_moved_what_the_offline_check_predicted():
+    """quality_guard_profiles_h100.json is the GPU run of today's guard (node defaults, five profiles
+    x three sage paths), measured after the target was fitted and checked offline on the run before
+    it. On the device: no benign block moved; sage 1.0.6's majority moved its drifting blocks over
+    the ceiling (18 of 30); each profile and path moved as many blocks as quality_decisions_offline.json
+    predicted from the earlier run's errors; and today's decide() on this run's own errors gives
+    exactly the device's moves (the guard decides as targets.decide does)."""
+    from bench import quality_decisions as qd
+    path = REPO / "bench" / "results" / "quality_guard_profiles_h100.json"
+    device = json.loads(path.read_text())["profiles"]
+    offline = json.loads((REPO / "bench" / "results" / "quality_decisions_offline.json").read_text())
+    predicted = offline["profiles_h100_8k"]["decisions"]
+    assert offline["profiles_h100_8k"]["source"].endswith("quality_guard_profiles_before_h100.json")
+    again = qd.profiles(str(path))
+    assert set(device) == set(predicted) and len(device) == 5
+    for profile, paths in device.items():
+        for sage_path, r in paths.items():
+            g = r["guard"]
+            moved = {b["block"] for b in g["blocks"] if b["moved"]}
+            assert g["benign_moved"] == 0, (profile, sage_path, g["lines"])
+            p = predicted[profile][sage_path]
+            assert len(moved) == len(p["drifting_moved"]) + len(p["benign_moved"]), (profile, sage_path)
+            a = again[profile][sage_path]
+            assert moved == set(a["drifting_moved"]) | set(a["benign_moved"]), (profile, sage_path)
+    sage1 = device["majority"]["sage106_sm89"]["guard"]
+    assert sage1["blocks_moved"] >= 15 and sage1["moved_to"] == ["ck_int8"]
+    assert sage1["final_error"] < device["majority"]["sage106_sm89"]["arms"]["sage_only"]["final_error"]
