@@ -383,7 +383,12 @@ def render() -> str:
     lines += ["So on an H200 `auto` prefers PyTorch SDPA over every kernel family measured there; the guard "
               "still protects `kernel=sage`. An entry's speed holds for the GPU model it names only "
               "(`kernel_table.measured_on`): another GPU of its arch, an H100 for sm_90, follows what ComfyUI was "
-              "started with.", ""]
+              "started with.", "",
+              "The `sdpa` column is **torch's default backend order** (`torch.nn.functional.scaled_dot_product_attention` "
+              "called directly), not ComfyUI's own `attention_pytorch`; the H200 row stays so until an H200 is lent to "
+              "time it with `python3 -m bench.gpu_attention bench --comfy $COMFY`. On an H100 ComfyUI's own function "
+              "ran at 347-374 TFLOP/s, sage 1.0.6 at 456-463 (`bench/results/attention_comfy_sdpa_h100.json`, "
+              "`bench/results/attention_comfy_sdpa_h100_run2.json`; docs/MEASURED.md).", ""]
     return "\n".join(lines)
 
 
