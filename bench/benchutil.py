@@ -75,6 +75,11 @@ def emulate_sage_arch(arch: str) -> list:
     return real
 
 
+def arch_capability(arch: str) -> tuple[int, int]:
+    """The compute capability an arch name of the benches' ``--emulate-arch`` stands for: "sm120" -> (12, 0)."""
+    return int(arch[2:-1]), int(arch[-1])
+
+
 def emulated_runtime(arch: str, rtm=None, real=None):
     """SafeSage's runtime as it would read on ``arch`` (the compute capability and the sage family
     it dispatches to change; nothing else). ``rtm``: the safe_ops.facts.devices module to ask (default:
@@ -84,7 +89,7 @@ def emulated_runtime(arch: str, rtm=None, real=None):
 
     if rtm is None:
         import safe_ops.facts.devices as rtm
-    cap = (int(arch[2:-1]), int(arch[-1]))
+    cap = arch_capability(arch)
     real = real if real is not None else rtm.runtime()
     return dataclasses.replace(real, arch=cap, sage_family=rtm.sage_family_for(real.sage_version, cap),
                                sage_error=None if real.sage_version else real.sage_error)

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import time
 
+from bench.benchutil import arch_capability
 from bench.max_length_search import (COMPLETED, UNFINISHED, arm_summary, budget_key, classify, fmt_gib, judge,
                                      merge, preflight_vs_measured, ratios, search)
 from bench.repro import arms as rarms
@@ -109,15 +110,9 @@ def gpu_name() -> str | None:
         return None
 
 
-def flat(lat):
-    import torch
-    return torch.cat([lat["video"].flatten(), lat["audio"].flatten()])
-
-
 def preflight_fit(a, gib: float, gpu: str) -> dict:
     """safe_ops.ui.preflight.max_length_within for budget ``gib`` on the emulated arch (default sm120)."""
-    arch = a.emulate_arch or "sm120"
-    cap = (int(arch[2:-1]), int(arch[-1]))
+    cap = arch_capability(a.emulate_arch or "sm120")
     rt = Runtime("", None, gpu if gpu != "cpu" else "unknown GPU", cap, a.preflight_sage,
                  sage_family_for(a.preflight_sage, cap), None, "cudaMallocAsync", True, None)
     fit = max_length_within(int(gib * GiB), a.width, a.height, text_tokens=a.text_tokens,
@@ -253,7 +248,7 @@ class Call:
             if path:
                 lat[arm] = _load(path)
                 os.remove(path)
-        v = driver.rel_l2(flat(lat["sage"]), flat(lat["pytorch"])) if len(lat) == 2 else None
+        v = driver.rel_l2(driver.flat(lat["sage"]), driver.flat(lat["pytorch"])) if len(lat) == 2 else None
         return {"value": v, "source": f"measured in this call: {a.in_limit_size} sage vs pytorch, no hold",
                 "size": a.in_limit_size, "rows": rows, "elapsed_s": round(time.time() - self.t0, 1)}
 
@@ -367,7 +362,7 @@ class Call:
         else:
             refs.setdefault(str(n), {"outcome": COMPLETED, "cached": True})
         mine = os.path.join(lat_dir, f"{arm}_{n}.pt")
-        rel = driver.rel_l2(flat(_load(mine)), flat(_load(ref_path)))
+        rel = driver.rel_l2(driver.flat(_load(mine)), driver.flat(_load(ref_path)))
         os.remove(mine)
         self.save()
         return rel, None

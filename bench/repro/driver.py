@@ -19,7 +19,8 @@ def rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
 
 
-def _flat(lat):
+def flat(lat):
+    """A saved latent's video and audio as one vector (what rel_l2 compares)."""
     import torch
     return torch.cat([lat["video"].flatten(), lat["audio"].flatten()])
 
@@ -96,13 +97,13 @@ def compare(runs, size, latents, refs) -> None:
         if r["size"] != size or cur is None:
             continue
         if ref is not None and "rel_l2_vs_pytorch" not in r:
-            r["rel_l2_vs_pytorch"] = rel_l2(_flat(cur), _flat(ref))
+            r["rel_l2_vs_pytorch"] = rel_l2(flat(cur), flat(ref))
             r["rel_l2_video"] = rel_l2(cur["video"], ref["video"])
             r["rel_l2_audio"] = rel_l2(cur["audio"], ref["audio"])
         u = arms.UNGUARDED.get(r["arm"])
         if u is not None and (size, u) in latents:
             r["unguarded_arm"] = u
-            r["rel_l2_vs_unguarded"] = rel_l2(_flat(cur), _flat(latents[(size, u)]))
+            r["rel_l2_vs_unguarded"] = rel_l2(flat(cur), flat(latents[(size, u)]))
 
 
 def driver(a, argv=()) -> dict:
