@@ -46,6 +46,55 @@ def test_dry_run_writes_its_command_and_every_case(tmp_path):
     assert not bad
 
 
+def test_the_reference_runs_on_fresh_contiguous_copies(monkeypatch):
+    """On the H100 PyTorch's own SDPA failed on two cases' views (no cutlass kernel for an odd token
+    stride; a misaligned address for an fp32 view 8 bytes in) and crashed the case. The reference
+    is now SDPA on fresh contiguous float32 copies: an SDPA that refuses such views, as the GPU's did,
+    still gives it, equal to SDPA on the views; and a reference that raises is recorded, not a crash."""
+    import torch
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def picky(q, k, v, *a, **kw):          # the fused GPU kernels' preconditions, on the CPU
+        for t in (q, k, v):
+            if not t.is_contiguous() or t.data_ptr() % 16:
+                raise RuntimeError("cutlassF: no kernel found to launch!")
+        return real(q, k, v, *a, **kw)
+
+    for name in ("fp32_offset2", "head1_stride_odd"):
+        q, k, v = probe.build(probe.CASES[name][0], "cpu")
+        want = real(q.float(), k.float(), v.float())
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", picky)
+        got = probe.reference(q, k, v)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", real)
+        assert torch.allclose(got, want, atol=1e-6), name
+
+    monkeypatch.setattr(probe, "reference", lambda q, k, v: (_ for _ in ()).throw(RuntimeError("no kernel")))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    q, k, v = probe.build(probe.CASES["contiguous_hnd"][0], "cpu")
+    r = probe.attempt(lambda a, b, c: a.clone(), q, k, v)
+    assert r["outcome"] == "ok" and r["finite"] and "rel_l2" not in r and "no kernel" in r["reference_error"]
+
+
+def test_cases_rerun_into_an_earlier_result(tmp_path, monkeypatch):
+    """--cases runs only the named cases; --merge keeps the earlier result's others, in CASES order,
+    and says which it kept."""
+    names = list(probe.CASES)
+    earlier = {"command": "python3 -m bench.ck_align_probe --out e.json",
+               "cases": [{"name": n, "agrees": True, "from": "earlier"} for n in names]}
+    (tmp_path / "e.json").write_text(json.dumps(earlier))
+    monkeypatch.setattr(probe, "child", lambda n, version, timeout: {"name": n, "agrees": True, "from": "now",
+                                                                      "measured": {"outcome": "ok"}})
+    out = tmp_path / "o.json"
+    probe.main(["--cases", f"{names[3]},{names[1]}", "--merge", str(tmp_path / "e.json"), "--out", str(out)])
+    d = json.loads(out.read_text())
+    assert [c["name"] for c in d["cases"]] == names
+    assert {c["name"] for c in d["cases"] if c["from"] == "now"} == {names[1], names[3]}
+    assert d["merged_from"]["cases_kept"] == sorted(set(names) - {names[1], names[3]})
+    assert d["summary"] == {"cases": len(names), "agree": len(names), "disagree": []}
+    with pytest.raises(SystemExit):
+        probe.main(["--cases", "no_such_case", "--out", str(out)])
+
+
 def test_outcome_reads_kitchens_messages():
     assert probe.outcome(None) == "ok"
     assert probe.outcome("RuntimeError: quant_qk_per_thread_int8: Q/K base pointers and B/H/N strides "

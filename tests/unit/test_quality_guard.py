@@ -462,3 +462,24 @@ def test_a_majority_of_drifting_blocks_moves_over_the_planned_familys_ceiling(fr
     assert min(ch[b]["planned_error"] for b in drifting) > 0.02 > max(ch[b]["planned_error"] for b in range(3)), ch
     assert sorted(b for b, c in ch.items() if c["moved"]) == list(drifting), ch
     assert all(ch[b]["family"] == fq.KITCHEN and ch[b]["target"] == 0.02 for b in drifting), ch
+
+
+def test_faults_only_with_probe_step_1_measures_the_reference_alone(fresh, monkeypatch):
+    """bench.repro's ``safesage_refonly`` arm (quality "faults only", quality_probe_step 1): step 1
+    measures every block against ComfyUI's own attention and runs no candidate family, so its cost
+    beside the node's defaults splits the probe into reference and candidates; nothing moves."""
+    fq, data = fresh, blocks()
+    att = make(quality="faults only", probe_step=1)
+    ran = []
+    real = att.run_family_rows
+    monkeypatch.setattr(att, "run_family_rows", lambda fam, n, q_rows: ran.append(fam) or real(fam, n, q_rows))
+    sample(att, data, 3)
+    q = stats()["quality"]
+    assert q["report_probes"] == NB and q["probes"] == 0 and q["plan_changes"] == 0, q
+    assert ran == [] and len(stats()["quality_last_run"]["later"]["blocks"]) == NB
+    # the node's defaults on the same run do run the candidates (the arm it is compared with)
+    att2 = make(quality="balanced")
+    real2 = att2.run_family_rows
+    monkeypatch.setattr(att2, "run_family_rows", lambda fam, n, q_rows: ran.append(fam) or real2(fam, n, q_rows))
+    sample(att2, data, 3)
+    assert fq.KITCHEN in ran
