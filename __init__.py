@@ -8,10 +8,12 @@ importable on its own (tests put the repository root on sys.path and `import saf
 When this file is imported outside a running ComfyUI it registers nothing and imports nothing
 heavy: no parent package (pytest importing it as a top-level module because the checkout's
 folder name, such as ComfyUI-SafeSage, is no Python identifier), or no ComfyUI that has set up
-its device (ComfyUI's main.py imports comfy.model_management, through execution and server,
-before it loads custom nodes; pytest importing the repository as a package with a ComfyUI tree
-on PYTHONPATH has not, and importing ComfyUI's node API here would start that set-up, or fail
-on a package ComfyUI's own start-up would have needed, such as PyAV).
+its device (ComfyUI's nodes.py, whose load_custom_node imports this file, imports
+comfy.model_management at its top in 0.3.75, 0dd9b154 and 783545f6, and the compiler era's
+main.py imports both before it loads custom nodes; pytest importing the
+repository as a package with a ComfyUI tree on PYTHONPATH has not, and importing ComfyUI's node
+API here would start that set-up, or fail on a package ComfyUI's own start-up would have needed,
+such as PyAV).
 """
 import importlib.util
 import sys

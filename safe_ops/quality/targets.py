@@ -129,7 +129,8 @@ def decide(measured: list[BlockErrors], quality: str, order: list[str],
         medians[(klass, fam)] = statistics.median(errs) if errs else None
     out = []
     for m in measured:
-        target = target_for(quality, medians[(m.klass, m.planned)], ceilings.get(m.planned, DEFAULT_CEILING))
+        ceiling = ceilings.get(m.planned, DEFAULT_CEILING)
+        target = target_for(quality, medians[(m.klass, m.planned)], ceiling)
         if m.error is None or target is None:
             why = "inconclusive (kept as planned)" if m.error is None else "no target"
             out.append(Choice(m.block, m.klass, m.planned, m.error, m.planned, m.error, target, why))
@@ -139,7 +140,6 @@ def decide(measured: list[BlockErrors], quality: str, order: list[str],
                               f"{m.planned} {m.error:.3f} within target {target:.3f}"))
             continue
         over = f"{m.planned} {m.error:.3f} over target {target:.3f}"
-        ceiling = ceilings.get(m.planned, DEFAULT_CEILING)
         shared = _shared_error(m) if quality == "balanced" and m.error <= ceiling else None
         if shared is not None:
             fam, err = shared
