@@ -47,12 +47,11 @@ HIDDEN, FFN, S, CHUNK = 64, 96, 64, 16
 
 def _comfy_tree() -> str:
     """The ComfyUI tree that PYTHONPATH imports; exits saying what to set when there is none with H3."""
-    import importlib.util
-    spec = importlib.util.find_spec("comfy")
-    if spec is None or not spec.submodule_search_locations:
+    from tools.harness.comfy_attention_fn import imported_comfy
+    tree = imported_comfy()
+    if tree is None:
         sys.exit("bench.mlp_host: ComfyUI is not importable: put a ComfyUI tree with MiniMax H3 (e.g. 0dd9b154) on "
                  "PYTHONPATH: PYTHONPATH=<ComfyUI tree> python3 -m bench.mlp_host ...")
-    tree = os.path.dirname(list(spec.submodule_search_locations)[0])
     named = os.environ.get("COMFYUI_PATH")
     if named and os.path.realpath(named) != os.path.realpath(tree):
         sys.exit(f"bench.mlp_host: COMFYUI_PATH names {named}, but PYTHONPATH imports ComfyUI from {tree}")

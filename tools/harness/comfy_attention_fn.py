@@ -27,7 +27,7 @@ class NotOnPythonPath(ImportError):
     """The ComfyUI tree asked for is not the one this process imports (it is not on PYTHONPATH)."""
 
 
-def _imported_comfy() -> str | None:
+def imported_comfy() -> str | None:
     """The folder holding the ``comfy`` package this process imports (already imported, or found on
     PYTHONPATH), or None."""
     mod = sys.modules.get("comfy")
@@ -45,7 +45,7 @@ def _imported_comfy() -> str | None:
 def _import_attention(path: str, cpu: bool):
     """ComfyUI's ``attention_pytorch`` of the tree ``path``, from PYTHONPATH. Raises NotOnPythonPath when
     that tree is not the ComfyUI this process imports; any error of ComfyUI's own import as it is."""
-    found = _imported_comfy()
+    found = imported_comfy()
     if found is None:
         raise NotOnPythonPath(f"ComfyUI is not importable: put {path} on PYTHONPATH "
                               f"(PYTHONPATH={path} python3 -m ...; bash .ci/run does so for the tests)")
