@@ -312,7 +312,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree-label", required=True, help="the ComfyUI tree's name in the JSON (e.g. 0dd9b154)")
     ap.add_argument("--width", type=int, default=H3_WIDTH)
-    ap.add_argument("--tokens", default="1184,1632,2080", help="packed token counts (>= 3, each > 1,024)")
+    ap.add_argument("--tokens", default="4192,6240,8288",
+                    help="packed token counts (>= 3; above ~4,000 the probe's 1,024 rows stop setting the peak)")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
