@@ -2,7 +2,8 @@
 """What holds memory at a MiniMax H3 DiT block's peak, per ComfyUI tree and arm (issue 47 item 1, CPU).
 
 ComfyUI's own ``MiniMaxH3Model`` (``comfy/ldm/minimax/model.py`` of the tree on PYTHONPATH) with one
-DiT block at H3's real structure -- hidden W (default H3's 5,376), W/128 heads of 128, ffn 8/3 W, rope
+DiT block at H3's real structure -- hidden W (default H3's 5,376), W/96 heads of 128 (H3: 56, attention
+width 7,168 = 4/3 W), ffn 8/3 W, rope
 over 96 of the 128 head dims, bf16 weights through ``comfy.ops.manual_cast`` -- runs one forward on a
 packed sequence of S tokens (64 text, 32 audio, the rest video) under
 :class:`bench.live_storage.LiveStorages`, as ComfyUI's sampler runs it: the model patcher's
@@ -93,10 +94,16 @@ def comfy_modules():
     return h3, attention, comfy.model_patcher, comfy.ops
 
 
+def heads_of(width: int) -> int:
+    """H3's heads for ``width``: 56 heads of 128 at 5,376 (the attention is 4/3 of the hidden width)."""
+    return width * 4 // 3 // HEAD_DIM
+
+
 def config(width: int) -> dict:
     if width % (3 * HEAD_DIM):
-        raise ValueError(f"width must be a multiple of {3 * HEAD_DIM} (heads of {HEAD_DIM}, ffn 8/3 of it; H3: 5376)")
-    return dict(hidden_size=width, num_layers=1, token_refiner_num_layers=0, num_attention_heads=width // HEAD_DIM,
+        raise ValueError(f"width must be a multiple of {3 * HEAD_DIM} (H3: 5376 = 14 x {3 * HEAD_DIM}: 56 heads of "
+                         f"{HEAD_DIM}, attention 4/3 of the width, ffn 8/3 of it)")
+    return dict(hidden_size=width, num_layers=1, token_refiner_num_layers=0, num_attention_heads=heads_of(width),
                 attention_head_dim=HEAD_DIM, ffn_hidden_size=width * 8 // 3, latents_dim=24, audio_latents_dim=32,
                 text_dim=width, timestep_input_dim=256, time_embed_hidden_size=64, time_embed_dim=64,
                 rope_inv_freq_len=16)
@@ -296,7 +303,7 @@ def _comfy_version(tree: str) -> str | None:
 def run_tree(width: int, tokens: list, arms: tuple, top: int = 15) -> dict:
     dm = build_model(width)
     _, attention, _, _ = comfy_modules()
-    out = {"width": width, "heads": width // HEAD_DIM, "ffn": width * 8 // 3, "mlp_chunk_tokens_safesage": CHUNK,
+    out = {"width": width, "heads": heads_of(width), "ffn": width * 8 // 3, "mlp_chunk_tokens_safesage": CHUNK,
            "comfy_default_attention": getattr(attention.optimized_attention, "__name__", "?"), "arms": {}}
     from bench import standin_families
     for arm in arms:
