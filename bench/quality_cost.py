@@ -21,10 +21,12 @@ step is over the faults-only and node-default rows' steps from step 2 on, every 
 Cases, each named in the JSON where it is missing or carries a one-time cost: a server's **first
 prompt** (module loads, the kernels' first launches, and whatever a row's ``--includes`` names, e.g.
 the H100's one-time PTX JIT of sage 2.2's 8.9+PTX build on sm_90, which a native RTX build does not
-pay: kept, labelled), a **later prompt** (prompt 2 on: what every further run of today's guard pays;
-"not measured" where a server ran one prompt), and a **remembered prompt** (errors remembered from an
-earlier prompt: no probe; not measured by these rows). Targets (issue 46): a later prompt <= 0.5 % of a
-20-step prompt and <= 1 % of a 2-step one; a remembered prompt ~0.
+pay: kept, labelled), a **later prompt** (prompt 2 on that ran the probe: what every further run of
+today's guard pays; "not measured" where a server ran one prompt), and a **remembered prompt** (a later
+prompt in which the guard ran no probe -- its errors remembered from an earlier prompt -- told by the
+guard's cumulative probe count that bench.repro reads between prompts; "not measured" where none did).
+Targets (issue 46): a later prompt <= 0.5 % of a 20-step prompt and <= 1 % of a 2-step one; a
+remembered prompt ~0.
 
 The figure before issue 46 divided by 30 steps, a schedule nobody here runs: kept only under keys
 ending ``_30_steps_before``. ``probe_ms_per_block`` and the reference / candidates shares do not depend
@@ -53,8 +55,8 @@ FIRST_PROMPT = "a server's first prompt: its one-time module loads and the kerne
 FIRST_ROW = ("the plan's first row on its machine: what the machine compiles once (Triton / PTX JIT caches) "
              "can fall in its step 1")
 NOT_MEASURED_LATER = "not measured: one prompt per server"
-NOT_MEASURED_REMEMBERED = ("not measured: these rows re-measure every prompt (no errors remembered from an "
-                           "earlier prompt)")
+NOT_MEASURED_REMEMBERED = ("not measured: no later prompt of these rows ran without a probe (errors remembered "
+                           "from an earlier prompt)")
 GUARDED, FAULTS, REFONLY = "safesage", "safesage_faults", "safesage_refonly"
 
 
@@ -65,13 +67,30 @@ def shares(extra_s: float, graph_steps: int, median: float) -> dict:
     return out
 
 
+def arm_prompts(run: dict) -> list[tuple[list[float], int | None]]:
+    """Per prompt of a row (the first, then each later completed one): its seconds per step and the
+    guard's cumulative probe count after it (/safesage/stats' quality "probes", which bench.repro reads
+    between prompts; None where not recorded)."""
+    w = run.get("worker") or {}
+
+    def probes(q):
+        return ((q or {}).get("quality") or {}).get("probes")
+    out = [(w.get("s_per_step") or [], probes(w.get("safesage_quality_first_prompt")))]
+    out += [(p["s_per_step"], probes(p.get("safesage_quality"))) for p in w.get("later_prompts") or []
+            if p.get("outcome") == "completed" and p.get("s_per_step")]
+    return [(s, n) for s, n in out if s]
+
+
 def arm_steps(run: dict) -> list[list[float]]:
     """Per prompt, the row's seconds per step (the first prompt's, then each later completed one)."""
-    w = run.get("worker") or {}
-    out = [w.get("s_per_step") or []]
-    out += [p["s_per_step"] for p in w.get("later_prompts") or [] if p.get("outcome") == "completed"
-            and p.get("s_per_step")]
-    return [s for s in out if s]
+    return [s for s, _ in arm_prompts(run)]
+
+
+def probes_run(run: dict) -> list[int | None]:
+    """Per prompt, how many block probes the guard ran in it (None: not recorded): a later prompt that
+    ran none measured nothing -- its errors were remembered from an earlier prompt."""
+    cum = [n for _, n in arm_prompts(run)]
+    return cum[:1] + [b - a if a is not None and b is not None else None for a, b in zip(cum, cum[1:])]
 
 
 def graph_steps_of(steps: list[list[float]], declared=None) -> int:
@@ -113,12 +132,16 @@ def path_cost(doc: dict, includes: dict | None = None) -> dict:
     unknown = sorted(set(includes) - set(range(1, prompts + 1)))
     if unknown:
         raise SystemExit(f"--includes names prompt(s) {unknown}; these rows have prompts 1-{prompts}")
+    probed = probes_run(rows[GUARDED])
     per_prompt = []
     for i in range(prompts):
         base = steps[FAULTS][i][0]
-        e = {"prompt": i + 1, "server_prompt": "first" if i == 0 else "later",
+        kind = "first" if i == 0 else "remembered" if probed[i] == 0 else "later"
+        e = {"prompt": i + 1, "server_prompt": kind,
              "step1_s": {a: steps[a][i][0] for a in steps if len(steps[a]) > i},
              "includes": ([FIRST_PROMPT] if i == 0 else []) + list(includes.get(i + 1, []))}
+        if probed[i] is not None:
+            e["guard_probes"] = probed[i]
         for arm, key in ((GUARDED, "probe"), (REFONLY, "reference")):
             if arm in steps and len(steps[arm]) > i:
                 extra = steps[arm][i][0] - base
@@ -129,15 +152,18 @@ def path_cost(doc: dict, includes: dict | None = None) -> dict:
         per_prompt.append(e)
     w = rows[GUARDED].get("worker") or {}
     blocks = w.get("blocks")
-    first, last = per_prompt[0], per_prompt[-1]
-    later = ({"prompt": last["prompt"], "probe_share": last["probe_share"], "includes": last["includes"]}
-             if prompts > 1 else NOT_MEASURED_LATER)
+    first = per_prompt[0]
+    case = {kind: next(({"prompt": e["prompt"], "probe_share": e["probe_share"], "includes": e["includes"]}
+                        for e in reversed(per_prompt) if e["server_prompt"] == kind), None)
+            for kind in ("later", "remembered")}
+    later = case["later"] or (NOT_MEASURED_LATER if prompts == 1 else "not measured: every later prompt remembered")
+    last = per_prompt[later["prompt"] - 1] if isinstance(later, dict) else first     # the last prompt that probed
     out = {"command": doc.get("command"), "repo_rev": doc.get("repo_rev"), "gpu": (w.get("versions") or {}).get("gpu"),
            "tokens": w.get("packed_tokens"), "blocks": blocks, "emulated_arch": w.get("emulated_arch"),
            "real_arch": w.get("real_arch"), "timed_on": _timed_on(w), "versions": w.get("versions"),
            "prompts": prompts, "graph_steps": n, "median_step_from_step2_s": round(median, 4),
            "first_prompt": {"probe_share": first["probe_share"], "includes": first["includes"]},
-           "later_prompt": later, "remembered_prompt": NOT_MEASURED_REMEMBERED,
+           "later_prompt": later, "remembered_prompt": case["remembered"] or NOT_MEASURED_REMEMBERED,
            "target_met": _targets_met([later]),
            "per_prompt": per_prompt,
            "probe_ms_per_block": round(last["probe_extra_s"] * 1000 / blocks, 1) if blocks else None,
@@ -165,9 +191,9 @@ def _targets_met(laters: list) -> dict:
             for n, t in TARGETS.items()}
 
 
-def targets() -> dict:
+def targets(remembered_measured: bool = False) -> dict:
     return {**{f"later_prompt_{n}_steps": f"<= {t}" for n, t in TARGETS.items()},
-            "remembered_prompt": "~0 (not measured)"}
+            "remembered_prompt": "~0" + ("" if remembered_measured else " (not measured)")}
 
 
 def exclusions(paths: dict) -> list[str]:
@@ -176,7 +202,8 @@ def exclusions(paths: dict) -> list[str]:
     for name, p in paths.items():
         if not isinstance(p["later_prompt"], dict):
             out.append(f"{name}: later prompt {p['later_prompt']}")
-        out.append(f"{name}: remembered prompt {p['remembered_prompt']}")
+        if not isinstance(p["remembered_prompt"], dict):
+            out.append(f"{name}: remembered prompt {p['remembered_prompt']}")
         for e in p["per_prompt"]:
             for label in e["includes"]:
                 if label != FIRST_PROMPT:
@@ -228,7 +255,8 @@ def build(results: list[str], names: list[str], includes: dict, notes: list[str]
            "schedules": {f"{n}_steps": why for n, why in SCHEDULES.items()},
            "summary": {name: {"first_prompt": p["first_prompt"], "later_prompt": p["later_prompt"],
                               "remembered_prompt": p["remembered_prompt"]} for name, p in paths.items()},
-           "targets": targets(), "target_met": _targets_met([p["later_prompt"] for p in paths.values()]),
+           "targets": targets(any(isinstance(p["remembered_prompt"], dict) for p in paths.values())),
+           "target_met": _targets_met([p["later_prompt"] for p in paths.values()]),
            "exclusions": exclusions(paths), "notes": notes,
            f"formula_{OLD_RUN_STEPS}_steps_before": f"(step 1 of the arm - step 1 of faults only) / ({OLD_RUN_STEPS} "
                                                     "x median step from step 2 on); the last prompt's, the worst path",

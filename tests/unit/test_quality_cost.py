@@ -1,5 +1,6 @@
 """bench/quality_cost.py: the guard's step-1 cost as a share of the sampling time in the graph's own
 steps, 20 and 2 (issue 46 goal 7; first issue #37 point 4)."""
+import copy
 import json
 import os
 import shlex
@@ -75,6 +76,35 @@ def test_one_prompt_per_server_names_the_later_prompt_not_measured():
     ex = quality_cost.exclusions({"p": c})
     assert any(e.startswith("p: later prompt not measured") for e in ex)
     assert any(e.startswith("p: remembered prompt not measured") for e in ex)
+
+
+def _with_probe_counts(d, counts):
+    """The guarded row as bench.repro --prompts N records it: the guard's cumulative probes after each prompt."""
+    w = d["runs"][2]["worker"]
+    w["safesage_quality_first_prompt"] = {"quality": {"probes": counts[0]}}
+    for p, n in zip(w["later_prompts"], counts[1:]):
+        p["safesage_quality"] = {"quality": {"probes": n}}
+    return d
+
+
+def test_a_later_prompt_that_ran_no_probe_is_the_remembered_prompt():
+    d = _doc()
+    for r, s in zip(d["runs"], ([7.12, 7.0, 7.0], [7.1, 7.0, 7.0], [7.13, 7.0, 7.0])):
+        r["worker"]["later_prompts"].append({"prompt": 3, "outcome": "completed", "s_per_step": s})
+    c = quality_cost.path_cost(_with_probe_counts(copy.deepcopy(d), [50, 100, 100]))     # prompt 3: no probe
+    assert [e["server_prompt"] for e in c["per_prompt"]] == ["first", "later", "remembered"]
+    assert [e["guard_probes"] for e in c["per_prompt"]] == [50, 50, 0]
+    assert c["remembered_prompt"]["prompt"] == 3
+    assert c["remembered_prompt"]["probe_share"]["20_steps"] == pytest.approx(0.01 / 140, abs=1e-5)
+    assert c["later_prompt"]["prompt"] == 2                 # the figures stay the last prompt that probed
+    assert c["probe_ms_per_block"] == pytest.approx(12.6)
+    assert not any("remembered prompt not measured" in e for e in quality_cost.exclusions({"p": c}))
+    # every later prompt remembered: the later prompt is the one not measured
+    c = quality_cost.path_cost(_with_probe_counts(copy.deepcopy(d), [50, 50, 50]))
+    assert c["later_prompt"].startswith("not measured") and c["remembered_prompt"]["prompt"] == 3
+    assert c["target_met"] == {"later_prompt_20_steps": None, "later_prompt_2_steps": None}
+    # no counts recorded (rows before issue 46): every later prompt probed
+    assert [e["server_prompt"] for e in quality_cost.path_cost(d)["per_prompt"]] == ["first", "later", "later"]
 
 
 def test_a_labelled_one_time_cost_is_kept_and_named():
