@@ -25,6 +25,7 @@ from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .attention.kernel_choice import explain_auto
 from .attention.move_order import describe as describe_moves
+from .attention.speed_budget import budget_line
 from .facts.devices import runtime
 from .families.registry import family_kind, installed_kernels
 from .ui.status import process_lines
@@ -151,6 +152,11 @@ def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
         else:
             head = f"quality: {policy.quality}: {describe_moves(order)}"
         head += f"; blocks told apart by {'the H3 block index' if blocks else 'block_index, else call order'}"
+    if policy.quality != "faults only":
+        head += "; " + budget_line(policy.quality, policy.kernel, attn.rt.arch_name, attn.rt.device_name,
+                                   [f for f in attn.kernels if f != "sdpa"], (attn.candidates(None) or [None])[0])
+        head += ("; errors are remembered per model: a later prompt runs the choices from step 1 "
+                 "(a LoRA, another kernel build or size measures again)")
     if policy.probe_step:
         head += f"; also measured (report only) at step {policy.probe_step}"
     if policy.exact_steps:

@@ -125,3 +125,26 @@ class BudgetChoice:
             return plan, envelopes, ratios(costs)
         env = self.kernels[pick].envelope
         return costs[pick].plan, [env] + [e for e in envelopes if e.family != pick], ratios(costs)
+
+
+def budget_line(quality: str, kernel_policy: str, arch_name: str, gpu_name: str | None, installed: list[str],
+                planned: str | None = None) -> str:
+    """One line for the node's status and Preflight: the quality setting's speed budget and what it can
+    buy here (``planned``: the family the kernel policy plans), with the speed table's provenance."""
+    if quality == "faults only":
+        return "speed budget: none (faults only: the kernel policy's choice runs, nothing measured)"
+    if kernel_policy != "auto":
+        return (f"speed budget: none under kernel '{kernel_policy}' (the policy's kernel runs; a block over its "
+                "target still moves)")
+    limit = speed_budget(quality)
+    table = speeds(arch_name, gpu_name, table_aliases())
+    known = [table[f] for f in installed if f in table]
+    head = f"speed budget {limit:.2f}x the fastest kernel's predicted attention time ({quality})"
+    if planned is not None and planned != "sdpa" and planned not in table:
+        return head + f": {planned}'s speed on {arch_name} is unknown, so the budget changes nothing here " \
+            "(a block over its target still moves)"
+    if len(known) < 2:
+        return (head + f": no two installed kernels have a known speed on {arch_name}, so the budget changes "
+                "nothing here (a block over its target still moves)")
+    return head + "; speeds: " + "; ".join(
+        f"{s.family} {s.tflops:g} TFLOP/s ({s.kind} on {s.gpu}, {s.version})" for s in known)
