@@ -122,6 +122,7 @@ class SafeSageAttention(io.ComfyNode):
                 io.Int.Input("exact_steps", default=0, min=0, max=10000, tooltip=TIP_EXACT_STEPS, optional=True),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -154,7 +155,8 @@ class SafeSageAttention(io.ComfyNode):
             probe_step=int(quality_probe_step),
             exact_steps=int(exact_steps),
         )
-        patched, summary = apply_safesage(model, policy)
+        # this node's id (a subgraph node's path included): the quality outcome it shows is its own
+        patched, summary = apply_safesage(model, policy, node=getattr(getattr(cls, "hidden", None), "unique_id", None))
         if patched is model:
             # Postcondition: patches live on a clone, so the loader's cached model stays clean.
             raise RuntimeError("SafeSage internal error: safe_ops patched the input model in place instead of a clone.")
