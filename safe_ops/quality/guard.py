@@ -39,7 +39,7 @@ from ..attention.call_forms import BASE_KEY
 from ..attention.errors import is_oom
 from ..facts import compiler
 from ..ui import run_stats
-from . import memory, targets
+from . import memory, outcome, targets
 from .report import entry, predicted_cost, publish, report, runs_now, send_outcome  # noqa: F401 (report, runs_now: the override's)
 from .probe import reference, rel_error, sample_rows
 
@@ -96,6 +96,7 @@ class RunState:
     report: list = field(default_factory=list)    # this run's choices (targets.Choice), measured or remembered
     sources: set = field(default_factory=set)     # where they came from: "measured", "remembered"
     budget: float = 1.0              # the speed budget the choices were made under
+    published: bool = False          # a later step's report was published
 
 
 class QualityGuard:
@@ -114,6 +115,8 @@ class QualityGuard:
         #: with blocks.BASE_KEY unset (:meth:`forward_start`), and a call is block i only inside the base
         #: block i (another tower's calls, under the same index or none, are not measured)
         self.base_marked = False
+        #: ComfyUI's id of the SafeSage node this guard belongs to (its report is that node's: report.py)
+        self.node: str | None = None
         if self.active:
             _GUARDS.add(self)
 
@@ -194,6 +197,10 @@ class QualityGuard:
         try:
             if st.pending:
                 self._read(st, None, None)
+            if self.measuring and not st.report and not st.published:
+                # nothing measured in this run: the node does not show an earlier run's outcome as this one's
+                publish("none", {"reason": "nothing measured (no sampling step after the probe step)" if st.skipped
+                                 else "nothing measured in this run"}, self.node, st.run)
         finally:
             with self._lock:
                 self._runs.pop(rid, None)
@@ -340,10 +347,11 @@ class QualityGuard:
             STATS.bump("blocks_moved", moved)
         st.report.extend(choices)
         st.sources.add(source)
-        lines = targets.summary_lines(st.report)
-        publish("choices", {"quality": self.quality, "blocks": [entry(c) for c in st.report], "lines": lines,
-                             "source": "+".join(sorted(st.sources)), "budget": st.budget,
-                             "cost": predicted_cost(st.report)})
+        blocks = [entry(c) for c in st.report]
+        lines = outcome.lines(blocks)
+        publish("choices", {"quality": self.quality, "blocks": blocks, "lines": lines,
+                            "source": "+".join(sorted(st.sources)), "budget": st.budget,
+                            "cost": predicted_cost(st.report)}, self.node, st.run)
         log.info("SafeSage quality guard (%s, %s errors): %s", self.quality, source, "; ".join(lines))
 
     def _conclude(self, st: RunState, pend: list, values: dict) -> None:
@@ -369,8 +377,10 @@ class QualityGuard:
                     memory.remember(st.key, st.site, m.block, m.klass, m.planned, {m.planned: m.error, **m.candidates})
             self._chose(st, choices, "measured")
         if later:
+            st.published = True
             publish("later", {"step": st.step, "blocks": [
-                {"block": m.block, "family": m.planned, "error": None if m.error is None else round(float(m.error), 5)} for m in measured(later)]})
+                {"block": m.block, "family": m.planned, "error": None if m.error is None else round(float(m.error), 5)} for m in measured(later)]},
+                    self.node, st.run)
 
 
 def run_ended() -> None:

@@ -1,8 +1,14 @@
-"""What a quality-guard run chose, for the user: the per-block report, its one line, and the event.
+"""What a quality-guard run chose, for the user: the per-block report per SafeSage node, its one line, and
+the event.
 
-The guard (guard.py) hands each run's choices here; ``/safesage/stats`` (``quality_last_run``), the node's
-line under its status and the stats panel read :func:`report`; one ``safesage.quality`` event per run
-that published something (:func:`send_outcome`).
+The guard (guard.py) hands each run's choices here under its node (``QualityGuard.node``: ComfyUI's id of
+the SafeSage node that patched the model, a subgraph node's path included; "" where SafeSage runs without
+a node). ``/safesage/stats`` ``quality_last_run`` holds the latest run's report at its top level (what one
+node shows) and every node's under ``nodes``; one ``safesage.quality`` event per node whose run
+published, carrying that node's report and its ``node`` (:func:`send_outcome`), to the prompt's client
+(ui/events.py). A run that measured nothing and chose nothing (no step after the probe, every block of
+another tower) replaces its node's earlier report with one saying so: no node shows an older prompt's
+outcome as this one's.
 """
 from __future__ import annotations
 
@@ -11,9 +17,10 @@ import threading
 from ..ui import run_stats
 from . import targets
 
-#: how a run's choices are shown (``/safesage/stats`` ``quality.last_run``)
-_LAST: dict = {}
+_LAST: dict = {}              # the latest published node's report (top level of quality_last_run)
+_NODES: dict = {}             # node -> its last run's report
 _LAST_LOCK = threading.Lock()
+_unsent: set = set()          # nodes published since the last event (under _LAST_LOCK)
 
 
 def _r(x):
@@ -36,13 +43,19 @@ def predicted_cost(choices: list) -> dict:
 
 def entry(c: targets.Choice) -> dict:
     """One (block, class of call) of a run: what was planned and its error, the target, what runs
-    from step 2 on (``family``) and its error, whether it moved, why, the candidates' errors, and
-    ``alternatives``: the other families under the target it runs, in order, where ``family``
-    cannot (failed its check, switched off; ``quality.moved_fallbacks`` counts those calls)."""
+    from step 2 on (``family``) and its error, whether it moved, by which rule (``budget``: less error
+    within the speed budget; ``target``: over its target, whatever the budget) at what predicted
+    attention time (``cost``, relative to the kernel policy's family), why, the candidates' errors, and
+    ``alternatives``: the other families it runs, in order, where ``family`` cannot (failed its check,
+    switched off; ``quality.moved_fallbacks`` counts those calls)."""
     return {"block": c.block, "family": c.family, "error": _r(c.error), "planned": c.planned,
             "planned_error": _r(c.planned_error), "target": _r(c.target), "moved": c.moved, "why": c.why,
             "candidates": {f: _r(e) for f, e in c.candidates.items()}, "call_class": c.klass,
             "alternatives": list(c.alternatives), "runs_now": c.family, "rule": c.rule, "cost": _r(c.cost)}
+
+
+def _info() -> None:
+    run_stats.set_info("quality_last_run", {**_LAST, "nodes": {k: dict(v) for k, v in _NODES.items()}})
 
 
 def runs_now(st, block: int, klass: str, family: str) -> None:
@@ -54,43 +67,54 @@ def runs_now(st, block: int, klass: str, family: str) -> None:
         return
     st.fell[key] = family
     with _LAST_LOCK:
-        for e in (_LAST.get("choices") or {}).get("blocks", []):
-            if e["block"] == block and e.get("call_class") == klass:
-                e["runs_now"] = family
-        run_stats.set_info("quality_last_run", dict(_LAST))
+        for rep in [_LAST] + list(_NODES.values()):
+            for e in (rep.get("choices") or {}).get("blocks", []):
+                if e["block"] == block and e.get("call_class") == klass:
+                    e["runs_now"] = family
+        _info()
 
 
-_unsent = False          # published since the last event (under _LAST_LOCK)
-
-
-def publish(kind: str, value: dict) -> None:
-    global _unsent
+def publish(kind: str, value: dict, node: str | None = None, run: object = None) -> None:
+    """Sampling run ``run``'s ``choices`` (or a ``later`` step's report, or ``none``: nothing measured,
+    with its ``reason``) for ``node``; the first of a run replaces the node's earlier report."""
+    from .outcome import PREFIX, summary
+    node = node or ""
     if kind == "choices":
-        from .outcome import summary
-        line = summary(value.get("blocks", []))
+        line = summary(value.get("blocks", []), value)
+    elif kind == "none":
+        line = PREFIX + value.get("reason", "nothing measured")
     with _LAST_LOCK:
-        if kind == "choices":
-            _LAST.pop("later", None)          # a later step's report belongs to the run it was measured in
-            _LAST["summary"] = line
-        _LAST[kind] = value
-        _unsent = True
-        run_stats.set_info("quality_last_run", dict(_LAST))
+        rep = _NODES.get(node)
+        if rep is None or rep.get("run") != run:
+            rep = _NODES[node] = {"node": node, "run": run}     # a new run: the node's earlier report goes
+        if kind in ("choices", "none"):
+            rep["summary"] = line
+        if kind != "none":
+            rep[kind] = value
+        _LAST.clear()
+        _LAST.update(rep)
+        _unsent.add(node)
+        run_stats.trim(_NODES, None)
+        _info()
 
 
 def send_outcome() -> None:
-    """One ``safesage.quality`` event with :func:`report` (per-block choices, the one-line
-    summary) when this run published something; nothing without a ComfyUI server (ui/events.py)."""
-    global _unsent
+    """One ``safesage.quality`` event per node that published since the last, with that node's report
+    (per-block choices, the one-line summary, ``node``); nothing without a ComfyUI server (ui/events.py)."""
     with _LAST_LOCK:
-        if not _unsent:
-            return
-        _unsent = False
+        nodes = list(_unsent)
+        _unsent.clear()
+        reports = [dict(_NODES.get(n, {"node": n})) for n in nodes]
+    if not reports:
+        return
     from ..ui import events
-    events.send(events.QUALITY, report())
+    for rep in reports:
+        events.send(events.QUALITY, rep)
 
 
-def report() -> dict:
-    """The last run's per-block choices, its one-line ``summary`` (and a later step's report), as
-    ``/safesage/stats`` (``quality_last_run``) and the ``safesage.quality`` event show them."""
+def report(node: str | None = None) -> dict:
+    """The latest run's report (``node`` None) or ``node``'s: per-block choices, the one-line
+    ``summary`` (and a later step's report), as ``/safesage/stats`` and the ``safesage.quality`` event
+    show them."""
     with _LAST_LOCK:
-        return dict(_LAST)
+        return dict(_LAST) if node is None else dict(_NODES.get(node, {}))

@@ -248,35 +248,3 @@ def _shared_error(m: BlockErrors) -> tuple | None:
         return None
     err, fam = min(measured)
     return (fam, err) if m.error / KERNEL_EXCESS < err < m.error * KERNEL_EXCESS else None
-
-
-def summary_lines(choices: list[Choice]) -> list[str]:
-    """Runs of consecutive blocks with the same outcome, one line each, e.g.
-    ``blocks 41-49: ck_int8 -- sage2_sm89_fp8pv 0.051-0.064 over target 0.045``."""
-    lines, run = [], []
-
-    def flush():
-        if not run:
-            return
-        c0, c1 = run[0], run[-1]
-        span = f"block {c0.block}" if c0.block == c1.block else f"blocks {c0.block}-{c1.block}"
-        if not c0.moved:
-            errs = [c.planned_error for c in run if c.planned_error is not None]
-            tail = (f" ({min(errs):.3f}-{max(errs):.3f}" if errs else " (inconclusive") + (
-                f", target {max(c.target for c in run if c.target is not None):.3f})"
-                if any(c.target is not None for c in run) else ")")
-            lines.append(f"{span}: {c0.family}{tail}")
-        else:
-            pe = [c.planned_error for c in run]
-            tg = [c.target for c in run]
-            lines.append(f"{span}: {c0.family} -- {c0.planned} {min(pe):.3f}-{max(pe):.3f} over target "
-                         f"{min(tg):.3f}" + (f"-{max(tg):.3f}" if max(tg) - min(tg) >= 5e-4 else ""))
-        run.clear()
-
-    for c in sorted(choices, key=lambda c: (c.klass, c.block)):
-        if run and (c.family != run[-1].family or c.planned != run[-1].planned or c.klass != run[-1].klass
-                    or c.block != run[-1].block + 1):
-            flush()
-        run.append(c)
-    flush()
-    return lines
