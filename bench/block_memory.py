@@ -52,6 +52,7 @@ import platform
 import subprocess
 import sys
 import time
+import types
 
 from bench.cmdline import command
 
@@ -198,7 +199,8 @@ def _patcher(dm, arm: str):
 
 def _sample(m, forward):
     """``forward(transformer_options)`` as ComfyUI's sampler runs a model evaluation: the patcher's
-    OUTER_SAMPLE wrappers around its APPLY_MODEL wrappers (``BaseModel.apply_model``'s arguments)."""
+    OUTER_SAMPLE wrappers (their executor's ``class_obj`` a guider holding ``m``, as CFGGuider's) around
+    its APPLY_MODEL wrappers (``BaseModel.apply_model``'s arguments)."""
     import comfy.patcher_extension as pe
     to = pe.copy_nested_dicts(m.model_options.get("transformer_options", {}))
     pe.merge_nested_dicts(to.setdefault("wrappers", {}), m.wrappers, copy_dict1=False)
@@ -211,7 +213,9 @@ def _sample(m, forward):
         return pe.WrapperExecutor.new_executor(
             apply_model, pe.get_all_wrappers(pe.WrappersMP.APPLY_MODEL, to)).execute(None, None, None, None, None, to)
 
-    return pe.WrapperExecutor.new_executor(outer_sample, pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, to)).execute()
+    guider = types.SimpleNamespace(model_patcher=m)      # what CFGGuider hands its OUTER_SAMPLE wrappers
+    return pe.WrapperExecutor.new_class_executor(outer_sample, guider,
+                                                 pe.get_all_wrappers(pe.WrappersMP.OUTER_SAMPLE, to)).execute()
 
 
 def measure(dm, arm: str, frames: int, depth: int = 4) -> dict:
