@@ -184,6 +184,7 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     stats = comfy.safesage_stats()
     panel = panel_text(page)
     assert panel["total"].startswith("%d attention calls, %d fallbacks" % (stats["attention_calls"], stats["fallbacks"])), panel
+    assert "Totals since ComfyUI started (not per run)" in panel["text"], panel["text"]     # on screen, not a tooltip
     plans = {k[len("plan:"):]: v for k, v in stats.items() if k.startswith("plan:")}
     assert plans and {r[0]: int(r[1]) for r in panel["plans"]} == plans, (panel["plans"], plans)
     assert panel["quality"] == [] and "{" not in panel["text"], panel["text"]     # no raw JSON shown
