@@ -9,11 +9,13 @@ reason."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from safe_ops.facts.versions import version_tuple
 from tools.harness.comfy_graphs import canonical_inputs, stats_delta
 from tools.harness.comfy_server import PACK_DIR_NAME, REPO, execution_error
 
@@ -21,8 +23,15 @@ H3 = "minimax_h3_ref2va_safesage"
 QUICK = "safesage_quickstart_lotus_depth"
 NAMES = [H3, QUICK]
 FRONTEND_ONLY = {"MarkdownNote", "Note"}      # the frontend's own nodes: never in a prompt
-LOTUS_BROKEN = "0.3.75"                        # its LotusD model config cannot build a Lotus-D UNet
 LOTUS_ERROR = "Either num_heads or num_head_channels has to be set"
+
+
+def declared_minimum() -> str:
+    """The ComfyUI the pack declares it needs (pyproject.toml ``requires-comfyui = ">=X"``): the first tested
+    ComfyUI that runs the quick start (tests/unit/test_example_workflows.py holds README to it)."""
+    m = re.search(r'^"requires-comfyui" = ">=([0-9.]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert m, "pyproject.toml declares no requires-comfyui minimum"
+    return m.group(1)
 
 
 def _load(name: str):
@@ -140,9 +149,11 @@ def test_quickstart_template_runs_headless_on_tiny_models_of_its_names(comfy):
     """The quick-start template's API copy (the UI template's prompt, test above), queued as it is:
     tiny random models of the same architectures under its file names (UNETLoader's
     lotus-depth-d-v1-1.safetensors detected as LotusD; VAELoader's vae-ft-mse-840000-ema-pruned),
-    example.png 64x48. It must finish, save an image, and every attention call of its one Lotus
-    step must have gone through SafeSage (counted by plan). On ComfyUI 0.3.75, which cannot load
-    any Lotus-D UNet, it must fail in the loader with that ComfyUI error."""
+    example.png 64x48. On the declared minimum ComfyUI (pyproject.toml, 0.30.0: the 0dd9b154 pass)
+    and later it must finish, save an image, and every attention call of its one Lotus step must have
+    gone through SafeSage (counted by plan). Below it (ComfyUI 0.3.75, which cannot load any Lotus-D
+    UNet) it must fail in the loader with that ComfyUI error -- so the declared minimum can be neither
+    a tree where the quick start fails nor later than one where it runs."""
     _, api = _load(QUICK)
     info = comfy.object_info()
     _need_types(info, api, QUICK)
@@ -156,10 +167,11 @@ def test_quickstart_template_runs_headless_on_tiny_models_of_its_names(comfy):
     _example_png(comfy.base / "input" / api["3"]["inputs"]["image"])
 
     before = comfy.safesage_stats()
-    if comfy.get_json("/system_stats")["system"]["comfyui_version"] == LOTUS_BROKEN:
+    version = comfy.get_json("/system_stats")["system"]["comfyui_version"]
+    if version_tuple(version) < version_tuple(declared_minimum()):
         # ComfyUI 0.3.75's LotusD config has no num_head_channels: no Lotus-D UNet loads there, a
-        # ComfyUI bug (README: the quick start needs a newer ComfyUI). The template fails as it would
-        # for a user, in the loader, and nothing of SafeSage ran.
+        # ComfyUI bug (README: the quick start needs the declared minimum). The template fails as it
+        # would for a user, in the loader, and nothing of SafeSage ran.
         entry = comfy.queue_and_wait(api)
         err = execution_error(entry) or {}
         assert err.get("node_type") == "UNETLoader" and LOTUS_ERROR in err.get("exception_message", ""), err
