@@ -2,8 +2,8 @@
 prompt with this ComfyUI's /object_info, is the graph of its API-format copy (example_workflows/api/);
 the quick-start template runs, on generated tiny models of its own file names (the same
 architectures: a Lotus-D UNet, the SD KL VAE; tools/harness/tiny_models.py) and a small image named
-example.png -- nothing is downloaded; the H3 template validates up to the files this server does not
-have. The H3 template needs a ComfyUI with MiniMax H3 (0dd9b154 or later); elsewhere it skips with the
+example.png -- nothing is downloaded; the H3 templates validate up to the files this server does not
+have. The H3 templates need a ComfyUI with MiniMax H3 (0dd9b154 or later); elsewhere they skip with the
 reason."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from tools.harness.comfy_graphs import canonical_inputs, stats_delta
 from tools.harness.comfy_server import PACK_DIR_NAME, REPO, execution_error
 
 H3 = "minimax_h3_ref2va_safesage"
+H3_720 = "minimax_h3_ref2va_720p_safesage"
 QUICK = "safesage_quickstart_lotus_depth"
-NAMES = [H3, QUICK]
+H3S = [H3, H3_720]
+NAMES = [H3, H3_720, QUICK]
 FRONTEND_ONLY = {"MarkdownNote", "Note"}      # the frontend's own nodes: never in a prompt
 LOTUS_ERROR = "Either num_heads or num_head_channels has to be set"
 
@@ -96,7 +98,7 @@ def _need_types(info: dict, api: dict, name: str) -> None:
     missing = sorted({v["class_type"] for v in api.values()} - set(info))
     if missing:
         pytest.skip("this ComfyUI has no %s node types (%s): the %s template needs COMFYUI_PATH=<0dd9b154 or later>"
-                    % ("MiniMax H3" if name == H3 else "of these", ", ".join(missing), name))
+                    % ("MiniMax H3" if name in H3S else "of these", ", ".join(missing), name))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -118,12 +120,13 @@ def test_ui_workflow_converts_to_the_api_copy(comfy, name):
             assert have[key] == _default(spec[key]), (nid, key)
 
 
-def test_h3_api_copy_validates_up_to_the_missing_files(comfy):
-    """POST /prompt with the H3 API copy: ComfyUI's own validation accepts every node except the
+@pytest.mark.parametrize("name", H3S)
+def test_h3_api_copy_validates_up_to_the_missing_files(comfy, name):
+    """POST /prompt with an H3 API copy: ComfyUI's own validation accepts every node except the
     ones that name model/image files this test server does not have."""
-    _, api = _load(H3)
+    _, api = _load(name)
     info = comfy.object_info()
-    _need_types(info, api, H3)
+    _need_types(info, api, name)
     res = comfy.post_prompt(api)
     assert isinstance(res, dict), "queued although the H3 model files are absent"
     bad = res.get("node_errors", {})
