@@ -75,6 +75,15 @@ def emulate_sage_arch(arch: str) -> list:
     return real
 
 
+def emulate_dispatch(arch: str):
+    """:func:`emulate_sage_arch` where sage 2.x is installed; with sage 1.x (one Triton kernel on every arch)
+    or none, the words saying why nothing was emulated. Returns what the JSON records as ``real_arch``."""
+    try:
+        return emulate_sage_arch(arch)                    # sage 2.2 dispatches as on that arch
+    except (ImportError, AttributeError) as e:            # sage 1.x: one Triton kernel on every arch
+        return f"not emulated ({type(e).__name__}: {e})"
+
+
 def arch_capability(arch: str) -> tuple[int, int]:
     """The compute capability an arch name of the benches' ``--emulate-arch`` stands for: "sm120" -> (12, 0)."""
     return int(arch[2:-1]), int(arch[-1])

@@ -54,7 +54,7 @@ import sys
 import time
 import types
 
-from bench.cmdline import command
+from bench.cmdline import command, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H3_WIDTH = 5376
@@ -350,13 +350,7 @@ def main(argv=None) -> dict:
             doc = json.load(f)
     doc.setdefault("bench", "bench/block_memory.py: live tensor storages at an H3 DiT block's peak (CPU)")
     doc.setdefault("trees", {})[a.tree_label] = res
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_json(doc, a.out)
     return doc
 
 

@@ -36,7 +36,7 @@ import json
 
 import torch
 
-from bench.benchutil import emulate_sage_arch, emulated_runtime, env_info
+from bench.benchutil import emulate_dispatch, emulated_runtime, env_info
 from bench.gpu_quality import DIM, HEADS, OUTLIER_CHANNELS, rel, timed
 
 PROFILES = ("default", "majority", "gradual", "heads", "keys", "majority_informative")
@@ -156,10 +156,7 @@ def main() -> None:
     from safe_ops.ui import run_stats
 
     dev, dt = torch.device("cuda"), torch.bfloat16
-    try:
-        real_arch = emulate_sage_arch(a.emulate_arch)   # sage 2.2 dispatches as on that arch
-    except (ImportError, AttributeError) as e:          # sage 1.x: one Triton kernel on every arch
-        real_arch = f"not emulated ({type(e).__name__}: {e})"
+    real_arch = emulate_dispatch(a.emulate_arch)
     rt = emulated_runtime(a.emulate_arch)
     own = getattr(comfy_att.attention_pytorch, "__wrapped__", comfy_att.attention_pytorch)
     sage_fn = getattr(comfy_att.attention_sage, "__wrapped__", comfy_att.attention_sage)

@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from bench.benchutil import emulate_sage_arch, emulated_runtime, env_info
+from bench.benchutil import emulate_dispatch, emulated_runtime, env_info
 from bench.host_cost_calls import TARGETS as CALL_TARGETS
 from bench.host_cost_calls import guarded_section, legacy_hop_section, passthrough_section
 from bench.host_cost_e2e import E2E_METHOD, e2e_section
@@ -167,10 +167,7 @@ def main(argv=None) -> dict:
     arch = a.emulate_arch or ("sm89" if cuda else "none")
     real_arch = None
     if cuda and arch != "none":
-        try:
-            real_arch = emulate_sage_arch(arch)                 # sage 2.2 dispatches as on that arch
-        except (ImportError, AttributeError) as e:               # sage 1.x: one Triton kernel everywhere
-            real_arch = f"not emulated ({type(e).__name__}: {e})"
+        real_arch = emulate_dispatch(arch)
         rt = emulated_runtime(arch)
     else:
         rt, arch = runtime(), "none"

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from bench.cmdline import command
+from bench.cmdline import command, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,11 +193,7 @@ def main(argv=None) -> dict:
         doc["host_us_per_mlp_call"] = {k: runs["after"][k]["host_us_per_call"] for k in ("chunked", "auto")}
         doc["free_memory_reads_per_call_before"] = runs["before"]["auto"]["free_memory_reads_per_call"]
         doc["free_memory_reads_per_call"] = runs["after"]["auto"]["free_memory_reads_per_call"]
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
+    write_json(doc, a.out, echo=False)
     print(json.dumps(row, indent=1))
     return doc
 

@@ -44,7 +44,7 @@ import types
 
 import torch
 
-from bench.benchutil import emulate_sage_arch, emulated_runtime, env_info
+from bench.benchutil import emulate_dispatch, emulated_runtime, env_info
 from bench.gpu_quality import DIM, HEADS, rel, timed
 from bench.gpu_quality_profiles import ProfileStack, profile_blocks
 
@@ -267,10 +267,7 @@ def run_path(a) -> dict:
     if a.cpu:
         rt, func = runtime(), attention_sage
     else:
-        try:
-            real_arch = emulate_sage_arch(a.emulate_arch)   # sage 2.2 dispatches as on that arch
-        except (ImportError, AttributeError) as e:          # sage 1.x: one Triton kernel on every arch
-            real_arch = f"not emulated ({type(e).__name__}: {e})"
+        real_arch = emulate_dispatch(a.emulate_arch)
         rt = emulated_runtime(a.emulate_arch)
         import comfy.ldm.modules.attention as comfy_att
         func = getattr(comfy_att.attention_sage, "__wrapped__", comfy_att.attention_sage)

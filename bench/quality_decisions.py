@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 
+from bench.cmdline import write_json
 from safe_ops.families import registry
 from safe_ops.quality import outcome, report, targets
 
@@ -94,12 +95,7 @@ def main(argv=None) -> dict:
            "gradual_drift_from_factor": GRADUAL_DRIFT_FROM}
     for key, (name, fn) in SOURCES.items():
         doc[key] = {"source": f"bench/results/{name}", "decisions": fn(os.path.join(RESULTS, name))}
-    text = json.dumps(doc, indent=1)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    write_json(doc, a.out)
     return doc
 
 
