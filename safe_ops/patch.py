@@ -29,6 +29,7 @@ from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .attention.kernel_choice import explain_auto
 from .attention.move_order import describe as describe_moves
+from .attention.speed_budget import budget_line
 from .facts.devices import runtime
 from .families.registry import family_kind, installed_kernels
 from .ui.status import limits_lines, process_lines
@@ -77,14 +78,20 @@ def _forward_start(args: tuple, kwargs: dict) -> None:
     att = to.get(OVERRIDE_KEY) if isinstance(to, dict) else None
     # only where a guarded kernel may run: a model whose every call is ComfyUI's own pays no host read
     if isinstance(att, SafeAttention) and att.quality.active and att.may_guard:
-        att.quality.forward_start(to)
+        att.quality.forward_start(to, att.kernel_sites())
 
 
 @contain.boundary
 def _run_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: the sampling run ends here (also when it raised), so under ComfyUI's
     allocation compiler the next run chooses its plans and chunk sizes again. (A containment
-    boundary: an error of SafeSage's in marking the run's end is counted and logged, never raised.)"""
+    boundary: an error of SafeSage's in marking the run's end is counted and logged, never raised.)
+    It also tells the quality guard which model the run samples (ComfyUI's CFGGuider is the executor's
+    ``class_obj``; its ``model_patcher``): what it measured is remembered for that model (quality/memory.py)."""
+    try:
+        quality_guard.run_started(getattr(getattr(executor, "class_obj", None), "model_patcher", None))
+    except Exception as e:  # noqa: BLE001 - see contain.py
+        contain.internal_error(e, "the quality guard's run start", "this run's errors are not remembered")
     try:
         return executor(*args, **kwargs)
     finally:
@@ -149,6 +156,11 @@ def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
         else:
             head = f"quality: {policy.quality}: {describe_moves(order)}"
         head += f"; blocks told apart by {'the H3 block index' if blocks else 'block_index, else call order'}"
+    if policy.quality != "faults only":
+        head += "; " + budget_line(policy.quality, policy.kernel, attn.rt.arch_name, attn.rt.device_name,
+                                   [f for f in attn.kernels if f != "sdpa"], (attn.candidates(None) or [None])[0])
+        head += ("; errors are remembered per model: a later prompt runs the choices from step 1 "
+                 "(a LoRA, another kernel build or size measures again)")
     if policy.probe_step:
         head += f"; also measured (report only) at step {policy.probe_step}"
     if policy.exact_steps:
@@ -169,9 +181,10 @@ class Applied(NamedTuple):
 
 
 @contain.boundary
-def apply_node(model_patcher: Any, **settings: Any) -> Applied:
-    """The SafeSage Attention node's run (``settings``: :class:`Policy`'s fields), contained: an
-    error in SafeSage's own code never fails the prompt (contain.py's rules).
+def apply_node(model_patcher: Any, node: str | None = None, **settings: Any) -> Applied:
+    """The SafeSage Attention node's run (``settings``: :class:`Policy`'s fields; ``node``: as
+    :func:`apply_safesage`'s), contained: an error in SafeSage's own code never fails the prompt
+    (contain.py's rules).
 
     * Refusals raise, saying what to change: an invalid input (Policy's ``ValueError``), and
       :class:`SafeSageError` (kernel 'sage' where SageAttention cannot run).
@@ -194,7 +207,7 @@ def apply_node(model_patcher: Any, **settings: Any) -> Applied:
             raise
         return _unpatched(model_patcher, e, "reading the node's inputs")
     try:
-        m, summary = apply_safesage(model_patcher, policy)
+        m, summary = apply_safesage(model_patcher, policy, node)
     except SafeSageError:
         raise
     except Exception as e:  # noqa: BLE001 - see contain.py
@@ -275,11 +288,13 @@ def _install_wrappers(m: Any) -> set:
     return installed
 
 
-def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, dict]:
+def apply_safesage(model_patcher: Any, policy: Policy = Policy(), node: str | None = None) -> tuple[Any, dict]:
     """Return a patched clone of ``model_patcher`` and a summary (``summary["text"]`` for humans,
     ``summary["warnings"]``). An error here in what patches the clone raises (:func:`apply_node`
     then gives the model back unpatched); one in what only describes it, or in a part the clone is
-    whole without, leaves that part out with a warning (:func:`_optional`)."""
+    whole without, leaves that part out with a warning (:func:`_optional`).
+    ``node``: ComfyUI's id of the SafeSage node (a subgraph node's path, e.g. ``"7:3"``), under which
+    the quality guard publishes its outcome (quality/report.py); None outside a node."""
     rt = runtime()
     if policy.kernel == "sage" and _sage_cannot_run(rt):
         raise SafeSageError(
@@ -300,6 +315,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         lambda: layer_attention_functions(_diffusion_model(m)), default=({}, []),
         runs="not read, so SafeSage treats every layer alike (as it does a layer whose calls carry no block index)")
     attn = SafeAttention(policy, rt=rt, previous=prev, layer_functions=layer_fns)
+    attn.quality.node = None if node is None else str(node)
     to[OVERRIDE_KEY] = attn
     installed = _install_wrappers(m)
     # Always called: with "off" it removes MLP patches an earlier SafeSage node left on this model.
@@ -315,6 +331,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     # --- the clone is whole: what follows adds what it can do without (the H3 block index, all of
     # it or none) and describes it
     nb = _block_index(m, warnings) if attn.quality.active else 0
+    attn.quality.base_marked = nb > 0
     rt_line, cand, lines = _optional(
         warnings, "the node's status",
         lambda: _status(warnings, rt, policy, attn, prev, layer_lines, nb, installed, mlp_summary, earlier),

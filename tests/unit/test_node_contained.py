@@ -232,6 +232,7 @@ def _sweep(caplog, settings, name, must_run=()) -> None:
 MUST_RUN = ("safe_ops/patch.py:apply_safesage:", "safe_ops/patch.py:layer_attention_functions:",
             "safe_ops/patch.py:_quality_line:", "safe_ops/attention/kernel_choice.py:explain_auto:",
             "safe_ops/ui/status.py:process_lines:", "safe_ops/ui/status.py:limits_lines:",
+            "safe_ops/attention/speed_budget.py:budget_line:",
             "safe_ops/attention/override.py:SafeAttention.__init__:", "safe_ops/policy.py:Policy.__post_init__:")
 H3_MUST_RUN = ("safe_ops/models/h3/mlp_patch.py:install_h3_mlp_patches:", "safe_ops/quality/blocks.py:install_block_index:")
 
