@@ -27,6 +27,10 @@ const STATS_URL = "/safesage/stats";
 const TAB_ID = "safesage-stats";
 const TAB_TITLE = "SafeSage";
 const TAB_TOOLTIP = "SafeSage run statistics";
+// the step-1 measurement's cost as measured (bench/results/quality_guard_cost_38k_h100.json, an H100 with
+// the RTX dispatch emulated, 38k tokens); the node's quality tooltip says the same
+const PROBE_COST = "Measuring (step 1 of a model's first prompt) cost 0.46-0.53% of a 20-step prompt, "
+  + "4.6-5.3% of a 2-step one, after a ComfyUI's first prompt (H100, RTX paths emulated, 38k tokens).";
 
 function statusWidget(node) {
   let w = node.widgets?.find((x) => x.name === STATUS);
@@ -362,10 +366,15 @@ function qualitySection(d) {
       (c.safety != null ? `, blocks over target ${num(c.safety).toFixed(2)}x (${c.safety_blocks})` : "") +
       (num(c.unknown) ? `, ${num(c.unknown)} block(s) of unknown speed` : "") +
       (q.choices.source ? `; errors ${q.choices.source === "remembered" ? "remembered from an earlier prompt" : q.choices.source}` : "")));
-    for (const [fam, src] of Object.entries(q.choices.speeds ?? {})) {
+    for (const src of Object.values(q.choices.speeds ?? {})) {
       out.push(h("div", { className: "ss-muted", "data-safesage": "quality-speed" }, `speed: ${src}`));
     }
   }
+  // what measuring costs (bench/results/quality_guard_cost_38k_h100.json; no live timing: that would sync the GPU)
+  out.push(h("div", { className: "ss-muted", "data-safesage": "quality-cost" },
+    (q.choices.source === "remembered"
+      ? "this run measured nothing: its errors were remembered from an earlier prompt on this model. "
+      : "") + PROBE_COST));
   const later = q.later;
   if (Array.isArray(later?.blocks) && later.blocks.length) {
     out.push(h("div", { className: "ss-muted", "data-safesage": "quality-later" },
