@@ -29,12 +29,11 @@ _IMPORT_TRACEBACK = ""
 
 try:
     from ..safe_ops.ui import run_stats as report
-    from ..safe_ops.patch import apply_safesage
-    from ..safe_ops.policy import Policy
+    from ..safe_ops.patch import apply_node
 except Exception as e:  # noqa: BLE001 - any failure must be reported, not raised at load
     _IMPORT_ERROR = e
     _IMPORT_TRACEBACK = traceback.format_exc()
-    Policy = apply_safesage = report = None  # type: ignore[assignment]
+    apply_node = report = None  # type: ignore[assignment]
     log.error(
         "SafeSage: IMPORT FAILED for its safe_ops core (%s: %s). The SafeSageAttention node "
         "is listed but will refuse to run. %s\n%s",
@@ -43,24 +42,13 @@ except Exception as e:  # noqa: BLE001 - any failure must be reported, not raise
 
 
 def require():
-    """Return (Policy, apply_safesage, report) or raise SafeSageUnavailable."""
+    """Return (apply_node, report) or raise SafeSageUnavailable."""
     if _IMPORT_ERROR is not None:
         raise SafeSageUnavailable(
             f"SafeSage could not load its safe_ops core: {type(_IMPORT_ERROR).__name__}: "
             f"{_IMPORT_ERROR}. {FIX_HINT}"
         ) from _IMPORT_ERROR
-    return Policy, apply_safesage, report
-
-
-def preflight_limits(policy) -> list[str]:
-    """The SafeSage Attention node's preflight lines; a failure here never fails the node."""
-    try:
-        from ..safe_ops.facts.devices import runtime
-        from ..safe_ops.ui.status import limits_lines
-        return limits_lines(runtime(), policy)
-    except Exception as e:  # noqa: BLE001 - status text only
-        log.warning("SafeSage: preflight lines unavailable: %s: %s", type(e).__name__, e)
-        return [f"(preflight unavailable: {type(e).__name__}: {e})"]
+    return apply_node, report
 
 
 def preflight(width: int, height: int, length: int, ref_images: int, text_tokens: int, model=None) -> dict:

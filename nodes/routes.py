@@ -31,7 +31,7 @@ async def stats_handler(request):
     from aiohttp import web
 
     try:
-        _, _, report = _backend.require()
+        _, report = _backend.require()
     except _backend.SafeSageUnavailable as e:
         return web.json_response({"error": str(e)}, status=503, dumps=_dumps)
     try:

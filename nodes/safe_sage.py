@@ -103,9 +103,13 @@ class SafeSageAttention(io.ComfyNode):
                 "Checks every attention call against what SageAttention's kernels can index and "
                 "reroutes calls outside those limits (every temporary is made on the GPU stream that "
                 "reads it, so none is held past the call), checks each new kind of call against "
-                "PyTorch attention, and runs MiniMax H3's MLP in token chunks. An error in SafeSage "
-                "itself never fails the prompt: that call runs ComfyUI's own code. Put it right "
-                "after the model loader."
+                "PyTorch attention, and runs MiniMax H3's MLP in token chunks. An error in SafeSage's "
+                "own code never fails the prompt: while sampling, that call runs ComfyUI's own code; "
+                "while this node runs, the model goes on patched with that part left out (the status "
+                "says which) or, where it could not be patched whole, unpatched (the status says why). "
+                "The model going in is never changed. The node stops with a message only where you "
+                "must act: kernel 'sage' where SageAttention cannot run, an invalid input, or a pack "
+                "that failed to load. Put it right after the model loader."
             ),
             inputs=[
                 io.Model.Input("model", tooltip=TIP_MODEL),
@@ -146,26 +150,17 @@ class SafeSageAttention(io.ComfyNode):
     @classmethod
     def execute(cls, *, model, kernel, mlp_chunking, mlp_chunk_tokens, verify, debug_sync, quality="balanced",
                 quality_probe_step=0, exact_steps=0) -> io.NodeOutput:
-        Policy, apply_safesage, _report = _backend.require()
-        policy = Policy(
-            kernel=kernel,
-            mlp_chunking=mlp_chunking,
-            mlp_chunk_tokens=int(mlp_chunk_tokens),
-            verify=verify,
-            debug_sync=bool(debug_sync),
-            quality=quality,
-            probe_step=int(quality_probe_step),
-            exact_steps=int(exact_steps),
-        )
+        apply_node, _report = _backend.require()
         # this node's id (a subgraph node's path included): the quality outcome it shows is its own
-        patched, summary = apply_safesage(model, policy, node=getattr(getattr(cls, "hidden", None), "unique_id", None))
-        if patched is model:
-            # Postcondition: patches live on a clone, so the loader's cached model stays clean.
+        out = apply_node(model, node=getattr(getattr(cls, "hidden", None), "unique_id", None), kernel=kernel,
+                         mlp_chunking=mlp_chunking, mlp_chunk_tokens=int(mlp_chunk_tokens), verify=verify, debug_sync=bool(debug_sync), quality=quality,
+                         probe_step=int(quality_probe_step), exact_steps=int(exact_steps))
+        if out.model is model and out.patched:
+            # Postcondition: patches live on a clone, so the loader's cached model stays clean; the
+            # input goes on as is only where safe_ops says it patched nothing.
             raise RuntimeError("SafeSage internal error: safe_ops patched the input model in place instead of a clone.")
         # safe_ops logs this text itself; here it only goes to the node (ui.PreviewText).
-        text = str((summary or {}).get("text") or "SafeSage: model patched (no status text).")
-        text += "\n" + "\n".join(_backend.preflight_limits(policy))
-        return io.NodeOutput(patched, ui=ui.PreviewText(text))
+        return io.NodeOutput(out.model, ui=ui.PreviewText(out.text))
 
 
 TIP_SIZE = "Of the MiniMax H3 video you plan to render (as on the H3 latent / reference-to-video node)."

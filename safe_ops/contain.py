@@ -1,18 +1,23 @@
 """The containment boundary: an error in SafeSage's own code never fails a prompt.
 
-SafeSage's code on a prompt's path is entered in two places, each one boundary: the attention
-override (attention.SafeAttention.__call__) and the patched H3 MLP forward
+SafeSage's code on a prompt's path is entered in three places, each one boundary: where the SafeSage
+Attention node runs (patch.apply_node), and, while sampling, the attention override
+(attention.SafeAttention.__call__) and the patched H3 MLP forward
 (mlp_patch.H3ChunkedMLPForward.__call__). Each catches what SafeSage's code raised, counts it
 (``internal_errors``), logs it once with its traceback, and runs what ComfyUI would have run
-instead. What ComfyUI's own code raises passes through untouched -- its
-``InterruptProcessingException``, an out-of-memory ComfyUI itself would have raised -- so every
-call SafeSage makes into ComfyUI (its attention function, a chained override, its MLP forward
-per chunk) goes through :func:`run_comfy`, which marks such an exception as not SafeSage's. A
-sticky CUDA error passes through too: nothing can be recomputed after it.
+instead: the node gives back the model it was given (never a half-patched clone), or the patched
+clone with the failed part left out of its status. What ComfyUI's own code raises passes through
+untouched -- its ``InterruptProcessingException``, an out-of-memory ComfyUI itself would have
+raised -- so every call SafeSage makes into ComfyUI (its attention function, a chained override,
+its MLP forward per chunk) goes through :func:`run_comfy`, which marks such an exception as not
+SafeSage's. A sticky CUDA error passes through too: nothing can be recomputed after it. (What the
+node calls of ComfyUI's -- the model's clone, its wrapper and patch registration -- neither checks
+for an interrupt nor allocates: an error there is contained, the model given back unpatched.)
 
-This module and ui/run_stats.py are the boundary's own code (the fault-injection suite,
-tests/comfy/test_fault_injection.py, raises in every other function of safe_ops/ and nodes/
-that runs during a prompt; functions marked with :func:`boundary` are excepted as well).
+This module and ui/run_stats.py are the boundary's own code (the fault-injection suites,
+tests/comfy/test_fault_injection.py for the sampling run and tests/unit/test_node_contained.py for
+the node's run, raise in every other function of safe_ops/ and nodes/ that runs during a prompt;
+functions marked with :func:`boundary` are excepted as well).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 on this GPU, and the plan for the reporter's graph); :func:`process_lines` says what earlier
 prompts in this process switched off (kernel families, failed first-call checks);
 :func:`model_context` is what the Preflight node takes from the MODEL connected to it. The nodes
-call these through ``nodes/_backend.py`` and stay thin.
+call these through ``nodes/_backend.py`` (the Attention node through ``patch.apply_node``) and stay thin.
 """
 from __future__ import annotations
 
@@ -54,8 +54,9 @@ def process_lines(snap: dict, show: int = 3) -> list[str]:
     errors = int(snap.get("internal_errors", 0) or 0)
     mlp_errors = int((snap.get("mlp") or {}).get("internal_errors", 0) or 0)
     if errors or mlp_errors:
-        out.append(f"WARNING: SafeSage's own code raised in {errors} attention call(s) and {mlp_errors} MLP call(s) "
-                   "earlier in this process; ComfyUI's own attention / MLP ran those calls (the error and its "
+        out.append(f"WARNING: SafeSage's own code raised {errors} time(s) outside the H3 MLP (attention calls, its "
+                   f"model wrappers, a SafeSage node) and in {mlp_errors} MLP call(s) earlier in this process; each "
+                   "time ComfyUI's own code ran instead, or the node left that part out (the error and its "
                    "traceback are in the log: please report it)")
     return out
 

@@ -46,6 +46,9 @@ def test_node_in_object_info(comfy):
     # finished") since the stream-ordered executor -- issue 26, point 8
     desc = node["description"].lower()
     assert "alive" not in desc and "made on the gpu stream that reads it" in desc, node["description"]
+    # what an error of SafeSage's own code does, as patch.apply_node does it (tests/unit/test_node_contained.py)
+    assert "where it could not be patched whole, unpatched (the status says why)" in desc, node["description"]
+    assert "the model going in is never changed" in desc, node["description"]
 
 
 def test_pack_loaded_cleanly(comfy):

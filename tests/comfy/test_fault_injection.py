@@ -364,3 +364,50 @@ def test_fault_injection_comfy_mlp_error_passes_through(comfy, tiny_h3, seed_cou
     h3 = os.path.basename(tiny_h3["path"])
     _comfy_fault(comfy, h3_graph(h3, seed_counter(), "fault_comfy_mlp", safesage=H3_CHUNKED, **H3_SIZE),
                  "fault_comfy_mlp", "comfy:comfy.ldm.minimax.model:MLP.forward")
+
+
+# ----------------------------------------------------------------------------- the node's own run
+# (issue 45 item 1; every function the node's run calls is swept in tests/unit/test_node_contained.py)
+AT_NODE = {
+    # a line of the status: the model is patched, that line is left out and a WARNING line says why
+    "safe_ops/attention/kernel_choice.py:explain_auto": True,
+    # the override itself: the model goes on unpatched, the status says why
+    "safe_ops/attention/override.py:SafeAttention.__init__": False,
+}
+
+
+@pytest.mark.parametrize("kind", ["h3", "sd2"])
+def test_fault_at_node_execute_never_fails_the_prompt(comfy, kind, request, seed_counter):
+    """A fault in SafeSage's own code while its node runs (SafeSageTestFaults' mode "inject_node":
+    the fault is in place from before the node runs until sampling starts). The prompt finishes;
+    the fault was reached and counted in ``internal_errors``; the node's status names it. Where it
+    hit a status line the model is patched: the latent is the un-faulted SafeSage run's, bit for
+    bit, and the status is that run's less the line, plus one WARNING line. Where it hit the
+    override, the model goes on unpatched: the latent is the graph's without SafeSage, bit for bit,
+    and the status says NOT APPLIED. (SD2 runs where the tree has no H3: 0.3.75.)"""
+    model = request.getfixturevalue("tiny_h3" if kind == "h3" else "tiny_sd2")
+    unet, seed = os.path.basename(model["path"]), seed_counter()
+    make = (lambda out, **kw: h3_graph(unet, seed, out, **kw)) if kind == "h3" else (
+        lambda out, **kw: sd2_graph(unet, seed, out, **kw))
+    plain = saved_latents(comfy.run(make("node_fault_%s_plain" % kind)))
+    tag = "node_fault_%s_ref" % kind
+    ref_entry = comfy.run(_with_faults(make(tag, safesage={}), "none", tag))
+    ref, ref_text = saved_latents(ref_entry), ref_entry["outputs"]["10"]["text"][0].splitlines()
+    for i, (target, patched) in enumerate(AT_NODE.items()):
+        tag = "node_fault_%s_%d" % (kind, i)
+        before = _errors(comfy.safesage_stats())[0]
+        entry = comfy.queue_and_wait(_with_faults(make(tag, safesage={}), "inject_node", tag, target))
+        assert entry["status"]["status_str"] == "success", "%s: %s" % (target, _prompt_error(entry))
+        assert _fault_report(comfy, tag)["hits"] >= 1, _fault_report(comfy, tag)
+        assert _errors(comfy.safesage_stats())[0] > before, target
+        text = entry["outputs"]["10"]["text"][0].splitlines()
+        named = [ln for ln in text if "SafeSage test fault injected in " + target in ln]
+        latents = saved_latents(entry)
+        if patched:
+            assert all(torch.equal(g, r) for g, r in zip(latents, ref)), target
+            assert len(named) == 1 and named[0].startswith("WARNING: "), text
+            assert not any(ln.startswith("auto picked") for ln in text), text
+            assert len(text) == len(ref_text), (text, ref_text)
+        else:
+            assert all(torch.equal(g, p) for g, p in zip(latents, plain)), target
+            assert text[0].startswith("SafeSage NOT APPLIED") and named, text

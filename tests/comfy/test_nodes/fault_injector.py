@@ -14,9 +14,16 @@ node patched the model -- happens inside it, in this thread. In it:
       function (a lambda, a closure made per call), in the code of the functions it is made in,
       so that every reference to it raises -- however it was imported. ``only_call`` > 0 raises
       on that call only (the others run the original). Everything is restored when sampling ends.
-      A target "comfy:<module>:<attribute path>" is one of ComfyUI's own functions instead.
+      A target "comfy:<module>:<attribute path>" is one of ComfyUI's own functions instead; a
+      target "<file>:<qualified name>" (no line, no column: written by hand) is the one function of
+      the pack of that name.
+  mode "inject_node": the same injection, entered when this node runs (before SafeSageAttention,
+      which takes this node's model) and restored when sampling starts: the fault is in SafeSage's
+      node's execute (patching the model), not in the sampling run. A prompt that failed before
+      sampling has its injection restored by the next run of this node. Its report holds the
+      target's "calls" and "hits" at that point.
   mode "none": nothing (the same graph shape without a fault).
-In every mode the wrapper first runs ``gc.collect()``: what earlier prompts left unreachable (their
+In the other modes the wrapper first runs ``gc.collect()``: what earlier prompts left unreachable (their
 SafeSage node's quality guard, held in a WeakSet until collected) is gone before the run, so that a
 function called once per live object is called as often in a recording as in an injected prompt.
 
@@ -25,6 +32,9 @@ if that function's own code raised. After sampling the wrapper writes what it sa
 <output>/safesage_test/faults_<tag>.json: the recorded functions, or the calls of the target and
 how many of them raised ("hits"), so that a test can tell an injection that was never reached;
 and the seconds the collection, the injection's setup and the run took ("gc_s", "setup_s", "run_s").
+
+tests/unit/test_node_contained.py loads this file outside a server (``ROOT`` set to the checkout)
+and uses its Recorder and Injection around the node's own run (``safe_ops.patch.apply_node``).
 """
 
 from __future__ import annotations
@@ -39,8 +49,6 @@ import threading
 import time
 import types
 
-import folder_paths
-
 ALIAS = "safesage_fault_injector"           # the raising code finds this module under this name
 PACK_DIR_NAME = "ComfyUI-SafeSage"
 SUBDIRS = ("safe_ops", "nodes")
@@ -52,7 +60,14 @@ _faults: dict = {}        # target key -> {"calls", "hits", "only_call", "orig":
 
 
 # ----------------------------------------------------------------------------- the pack's code
+#: the pack's folder where this module runs outside a ComfyUI server (tests/unit sets it: the checkout)
+ROOT = None
+
+
 def pack_root() -> str:
+    if ROOT is not None:
+        return ROOT
+    import folder_paths
     return os.path.realpath(os.path.join(folder_paths.get_folder_paths("custom_nodes")[0], PACK_DIR_NAME))
 
 
@@ -208,10 +223,13 @@ class Injection:
             funcs = _pack_functions()
             parent, _ = _index(funcs)
             codes = {c for c in list(parent) + [f.__code__ for f in funcs]}
-            # the qualified name and first line first: code_key reads every code's positions
-            qualname, line = self.key.split(":")[1:3]
-            target = [c for c in codes if c.co_qualname == qualname and c.co_firstlineno == int(line)
-                      and code_key(c) == self.key]
+            parts = self.key.split(":")
+            if len(parts) == 2:     # "<file>:<qualified name>", written by hand: one function of that name
+                target = [c for c in codes if c.co_qualname == parts[1] and pack_rel(c.co_filename) == parts[0]]
+            else:                   # as recorded; the qualified name and first line first: code_key
+                qualname, line = parts[1:3]     # reads every code's positions
+                target = [c for c in codes if c.co_qualname == qualname and c.co_firstlineno == int(line)
+                          and code_key(c) == self.key]
             if len(target) != 1:
                 raise RuntimeError("fault target %s: %d code objects match" % (self.key, len(target)))
             target = target[0]
@@ -234,7 +252,9 @@ class Injection:
             up = parent.get(old)
             if up is None:
                 break
-            new = up.replace(co_consts=tuple(new if c is old else c for c in up.co_consts))
+            # equal, not identical: a reloaded module's functions have codes equal to the old ones'
+            # (the dicts here are keyed by equality, so ``up`` may be the other copy's parent)
+            new = up.replace(co_consts=tuple(new if c == old else c for c in up.co_consts))
             old = up
         return self
 
@@ -261,6 +281,7 @@ class Injection:
 
 # ----------------------------------------------------------------------------- the node
 def _write(tag: str, data: dict) -> None:
+    import folder_paths
     out_dir = os.path.join(folder_paths.get_output_directory(), "safesage_test")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "faults_%s.json" % os.path.basename(tag)), "w") as f:
@@ -305,11 +326,31 @@ def _make_wrapper(mode: str, target: str, only_call: int, tag: str):
     return wrapper
 
 
+_at_node: dict = {}      # tag -> Injection entered by the test node, for the SafeSage node's execute
+
+
+def _end_at_node(tag: str, data: dict) -> None:
+    """Restore what mode "inject_node" swapped for prompt ``tag``, and note its counts in ``data``."""
+    inj = _at_node.pop(tag, None)
+    if inj is not None:
+        inj.__exit__(None, None, None)
+        data.update(inj.counts())
+
+
+def _node_wrapper(tag: str, target: str, only_call: int):
+    def wrapper(executor, *args, **kwargs):
+        data = {"mode": "inject_node", "target": target, "only_call": only_call}
+        _end_at_node(tag, data)
+        _write(tag, data)
+        return executor(*args, **kwargs)
+    return wrapper
+
+
 class SafeSageTestFaults:
     @classmethod
     def INPUT_TYPES(cls):
         return {"required": {"model": ("MODEL",),
-                             "mode": (["none", "record", "inject"],),
+                             "mode": (["none", "record", "inject", "inject_node"],),
                              "target": ("STRING", {"default": ""}),
                              "only_call": ("INT", {"default": 0, "min": 0, "max": 1 << 20}),
                              "tag": ("STRING", {"default": "faults"})}}
@@ -320,10 +361,16 @@ class SafeSageTestFaults:
 
     def patch(self, model, mode, target, only_call, tag):
         import comfy.patcher_extension as pe
+        for left in list(_at_node):       # an earlier prompt that failed before sampling
+            _end_at_node(left, {})
         m = model.clone()
         wtype = pe.WrappersMP.OUTER_SAMPLE
         m.remove_wrappers_with_key(wtype, WRAPPER_KEY)
-        m.add_wrapper_with_key(wtype, WRAPPER_KEY, _make_wrapper(mode, target, int(only_call), tag))
+        if mode == "inject_node":
+            m.add_wrapper_with_key(wtype, WRAPPER_KEY, _node_wrapper(tag, target, int(only_call)))
+            _at_node[tag] = Injection(target, int(only_call)).__enter__()
+        else:
+            m.add_wrapper_with_key(wtype, WRAPPER_KEY, _make_wrapper(mode, target, int(only_call), tag))
         # first in order: the outermost wrapper (SafeSage's, added later by its node, runs inside it)
         wrappers = m.wrappers[wtype]
         rest = {k: v for k, v in wrappers.items() if k != WRAPPER_KEY}
