@@ -262,7 +262,7 @@ def longest(arm: str, free_bytes: int, width: int, height: int, ref_images: int 
     # budget, step out by doubling until the fit changes, then bisect: a few plans instead of ~8
     m = ArmModel.of(arm, f)
     slope = m.per_token + (2 * result_bytes(1) if arm == "safesage" else 0)
-    guess = (free_bytes - m.overhead - m.constant) / slope
+    guess = (free_bytes - m.overhead - m.constant) / slope if slope > 0 else float("inf")
     i = max(0, min(len(grid) - 1, sum(1 for n in grid if count(width, height, n, ref_images, text_tokens).total
                                        <= guess) - 1))
     if at(i)[2].fits:
