@@ -42,12 +42,13 @@ ARM_LABELS = {"safesage": "SafeSage", "sage": "unguarded --use-sage-attention",
 FACTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "facts", "length_model.json")
 #: what the model leaves out, in words (the Preflight text and the facts file say it)
 NOT_MODELLED = (
-    "other ComfyUI trees (fitted on 0dd9b154; 783545f6 clones V, 14,336 bytes a token more at attention)",
-    "a guider that batches cond and uncond (CFG: twice the per-token activations)",
-    "the full 50-block model (fitted on an 8-block H3-shaped fp8 model; dynamic VRAM streams one block's "
+    "other ComfyUI trees (fitted on 0dd9b154; 783545f6 clones V: 14,336 bytes a token more at the attention call)",
+    "a guider that batches cond and uncond (CFG: about twice the per-token activations; fitted with the "
+    "reporter's BasicGuider)",
+    "the full 50-block model (fitted on an 8-block H3-shaped fp8 model: dynamic VRAM streams one block's "
     "weights at a time)",
-    "a real RTX card (sage 2.2's sm_120 path was emulated on an H100)",
-    "other sizes than 1280x720 (the same per-token terms, unverified), the quality guard's other settings",
+    "a real RTX card (sage 2.2's sm_120 path was emulated on an H100; its driver and allocator may hold more)",
+    "other sizes than 1280x720 (the same per-token terms, unmeasured there)",
 )
 
 

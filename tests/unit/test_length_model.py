@@ -136,3 +136,44 @@ def test_nothing_fits_and_the_grid_top():
     assert lg.frames is None and lg.next_frames == 5 and not lg.next_peak.fits
     lg = lm.longest("safesage", 400 * GiB, 1280, 720, max_length=600)
     assert lg.frames == 600 and lg.capped and lg.next_frames is None
+
+
+# ------------------------------------------------------------------------------------ Preflight's text
+def _cpu():
+    from safe_ops.facts.devices import Runtime
+    return Runtime("2.13", None, None, None, None, None, "package not installed", None, None, None)
+
+
+def test_preflight_shows_the_predicted_longest_length_and_its_assumptions():
+    from safe_ops.ui.preflight_text import preflight_report
+    text = preflight_report(1280, 720, 362, rt=_cpu(), comfy_wants_sage=True)["text"]
+    lines = text.splitlines()
+    # without a GPU: the facts file's budgets, 24 GiB against the measured longest, 32 GiB unverified
+    l24 = next(ln for ln in lines if ln.startswith("longest length predicted at 1280x720") and "24.0 GiB free" in ln)
+    l32 = next(ln for ln in lines if ln.startswith("longest length predicted at 1280x720") and "32.0 GiB free" in ln)
+    for line, gib in ((l24, 24), (l32, 32)):
+        for arm in lm.ARMS:
+            g = lm.longest(arm, gib * GiB, 1280, 720)
+            assert f"{lm.ARM_LABELS[arm]} {g.frames} frames ({g.tokens:,} tokens)" in line, (arm, line)
+    assert "measured there: prediction / measured longest SafeSage 1.00" in l24
+    assert "(never measured: unverified)" in l32 and "measured there" not in l32
+    model = next(ln for ln in lines if ln.startswith("length model (safe_ops/facts/length_model.json"))
+    assert "held to 24 GiB free" in model and f"{FACT['arms']['safesage']['per_token_bytes']:,.0f} bytes" in model
+    missing = next(ln for ln in lines if ln.startswith("length model does not model: "))
+    for what in ("guider", "50-block", "8-block", "emulated on an H100", "other sizes than 1280x720", "0dd9b154"):
+        assert what in missing, what
+    assert "your 362 frames with SafeSage: predicted peak" in text and "WARNING: 362 frames" not in text
+
+
+def test_preflight_on_a_gpu_assumes_its_free_memory_now_and_warns_past_the_longest():
+    from safe_ops.facts.devices import Runtime
+    from safe_ops.ui.preflight_text import preflight_report
+    rtx = Runtime("2.13", "13.0", "NVIDIA GeForce RTX 5090", (12, 0), "2.2.0", "sage2_sm120_fp8pv", None,
+                  "native", True, "0.30.0")
+    r = preflight_report(1664, 960, 600, rt=rtx, free_bytes=28 * GiB, comfy_wants_sage=True)
+    line = next(ln for ln in r["text"].splitlines() if ln.startswith("longest length predicted at 1664x960"))
+    assert "for 28.0 GiB free (this GPU's free memory now)" in line and "32.0 GiB" not in r["text"]
+    g = lm.longest("safesage", 28 * GiB, 1664, 960, scenario=r["verdicts"][0].scenario)
+    assert g.frames < 600 and f"SafeSage {g.frames} frames" in line
+    assert any(w.startswith("600 frames at 1664x960: SafeSage's step is predicted to need") and
+               f"the longest predicted to fit is {g.frames} frames" in w for w in r["warnings"])
