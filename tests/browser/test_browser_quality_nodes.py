@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from browser import open_comfy
+from browser import open_comfy, wait_until
 
 pytestmark = pytest.mark.browser
 
@@ -57,8 +57,8 @@ def test_each_node_shows_its_own_outcome_subgraph_nodes_too(comfy):
         assert ids["error"] is None and ids["sub"], ids
         page.evaluate(SEND_JS, {"node": ids["a"], "summary": "last run: node A's outcome"})
         page.evaluate(SEND_JS, {"node": ids["sub"], "summary": "last run: the subgraph node's outcome"})
-        page.wait_for_function("() => window.__ss.inner.widgets?.some((w) => w.name === 'safesage_status')",
-                               timeout=30_000)
+        wait_until(page, "() => window.__ss.inner.widgets?.some((w) => w.name === 'safesage_status')",
+                   "the status widget on the SafeSage node inside the subgraph")
         assert _last_line(page, "a") == "last run: node A's outcome"
         assert _last_line(page, "inner") == "last run: the subgraph node's outcome"
         assert "last run" not in page.evaluate(TEXT_JS, "b")          # no broadcast to the other node
