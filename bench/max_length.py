@@ -5,10 +5,10 @@ probe, dynamic VRAM), H3-shaped blocks (bench/synth_h3.py), 1 step, at one width
   python3 -m bench.max_length --comfy COMFY --ckpt CKPT --budget-gib 24 [--arms safesage sage pytorch]
       --emulate-arch sm120 --out bench/results/max_length_h100.json [...]
 
-Per budget: Preflight's prediction (safe_ops.ui.preflight.max_length_within: the longest length whose
-predicted transients fit the budget); then a memory hold (bench.repro.driver.Ballast, one process kept
+Per budget: Preflight's prediction per arm (safe_ops.ui.length_model.longest: the longest length whose
+predicted step peak fits the budget, with the constants of safe_ops/facts/length_model.json); then a memory hold (bench.repro.driver.Ballast, one process kept
 for the whole budget) so that only the budget stays free, and per arm a search over H3's frame grid
-(17k+5, ``max_length_search.search``): the first probe at Preflight's length (or ``--start-frames``),
+(17k+5, ``max_length_search.search``): the first probe at the arm's predicted length (or ``--start-frames``),
 geometric steps up or down, then bisection, at most ``--probe-limit`` probes. After the hold: each
 arm's longest completed length is checked against ComfyUI's own attention (the ``pytorch`` arm) at
 the same length run WITHOUT the hold, by bench/repro/verdict.py's rule (wrong above WRONG_FACTOR x
@@ -41,13 +41,17 @@ from bench.repro import arms as rarms
 from bench.repro import driver, logs, verdict, worker
 from safe_ops.facts.devices import Runtime, sage_family_for
 from safe_ops.models.h3.dims import h3_tokens
-from safe_ops.ui.preflight import MAX_LENGTH, grid_lengths, max_length_within
+from safe_ops.ui import length_model
+from safe_ops.ui.preflight import MAX_LENGTH, grid_lengths, scenarios_for
 
 GiB = 2 ** 30
 ARMS = {"safesage": "safesage", "sage": "sage", "pytorch": "pytorch", "sage1": "sage"}   # -> bench.repro arm
-PREFLIGHT_MODEL = ("Preflight's predicted peak: the larger of the attention plan's transients (planned within "
-                   "0.8 x free) and the chunked MLP's (one chunk's intermediates + the [S, hidden] output), "
-                   "above weights and activations, which it does not model")
+PREFLIGHT_MODEL = ("Preflight's length model (safe_ops/ui/length_model.py): a step's peak per arm = the overhead "
+                   "outside the live tensors + ComfyUI's activations per token + SafeSage's own tensors (its "
+                   "attention plan within the memory left, the result and its copy), constants fitted on earlier "
+                   "GPU runs (safe_ops/facts/length_model.json)")
+#: the length model's arm for each arm here (sage 1.0.6 unguarded: as sage, ComfyUI's unchunked MLP is the peak)
+MODEL_ARM = {"safesage": "safesage", "sage": "sage", "pytorch": "pytorch", "sage1": "sage"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,17 +115,24 @@ def gpu_name() -> str | None:
 
 
 def preflight_fit(a, gib: float, gpu: str) -> dict:
-    """safe_ops.ui.preflight.max_length_within for budget ``gib`` on the emulated arch (default sm120)."""
+    """Preflight's longest length per arm (safe_ops.ui.length_model.longest) for budget ``gib`` on the
+    emulated arch (default sm120): ``{"arms": {arm: {max_frames, max_tokens, ...}}, scenario, ...}``."""
     cap = arch_capability(a.emulate_arch or "sm120")
     rt = Runtime("", None, gpu if gpu != "cpu" else "unknown GPU", cap, a.preflight_sage,
                  sage_family_for(a.preflight_sage, cap), None, "cudaMallocAsync", True, None)
-    fit = max_length_within(int(gib * GiB), a.width, a.height, text_tokens=a.text_tokens,
-                            rt=rt, max_length=a.max_frames, count=h3_tokens)
-    return {"max_frames": fit.length, "max_tokens": fit.tokens, "predicted_peak_gib": fmt_gib(fit.peak_bytes),
-            "next_frames": fit.next_length, "next_tokens": fit.next_tokens,
-            "next_predicted_peak_gib": fmt_gib(fit.next_peak_bytes), "capped_by_max_frames": fit.capped,
-            "scenario": fit.scenario.label, "family": fit.scenario.family, "model": PREFLIGHT_MODEL,
-            "function": "safe_ops.ui.preflight.max_length_within"}
+    free = int(gib * GiB)
+    sc = scenarios_for(rt, free)[0]
+    arms = {}
+    for arm in ARMS:
+        lg = length_model.longest(MODEL_ARM[arm], free, a.width, a.height, text_tokens=a.text_tokens,
+                                  scenario=sc, count=h3_tokens, max_length=a.max_frames)
+        arms[arm] = {"max_frames": lg.frames, "max_tokens": lg.tokens,
+                     "predicted_peak_gib": fmt_gib(lg.peak.total if lg.peak else None),
+                     "next_frames": lg.next_frames, "next_tokens": lg.next_tokens,
+                     "next_predicted_peak_gib": fmt_gib(lg.next_peak.total if lg.next_peak else None),
+                     "capped_by_max_frames": lg.capped, "model_arm": MODEL_ARM[arm]}
+    return {"arms": arms, "scenario": sc.label, "family": sc.family, "model": PREFLIGHT_MODEL,
+            "function": "safe_ops.ui.length_model.longest", "constants": "safe_ops/facts/length_model.json"}
 
 
 class Call:
@@ -278,8 +289,8 @@ class Call:
         b["preflight"] = self.preflight(gib)
         import torch
         b["driver_cuda_initialized"] = bool(torch.cuda.is_initialized())   # must stay False (the hold's count)
-        self.say(f"{key} GiB: Preflight's longest fitting length {b['preflight']['max_frames']} frames "
-                 f"({b['preflight']['max_tokens']} tokens)")
+        self.say(f"{key} GiB: Preflight's longest predicted lengths " + ", ".join(
+            f"{arm} {b['preflight']['arms'][arm]['max_frames']} frames" for arm in a.arms))
         self.save()
         lat_dir = os.path.join(self.work, f"lat_{key}")
         os.makedirs(lat_dir, exist_ok=True)
@@ -304,7 +315,7 @@ class Call:
         for n in os.listdir(lat_dir):  # latents of shorter lengths nobody needed to check
             os.remove(os.path.join(lat_dir, n))
         b.update(ratios(b["arms"]))
-        b["preflight"].update(preflight_vs_measured(b["preflight"], (b["arms"].get("safesage") or {}).get("max_tokens")))
+        b["preflight"].update(preflight_vs_measured(b["preflight"], b["arms"]))
         b["elapsed_s"] = round(time.time() - self.t0 - b["started_s"], 1)
         self.save()
         for arm, r in b["arms"].items():
@@ -313,7 +324,7 @@ class Call:
 
     def _search(self, b, arm, key, lat_dir):
         a = self.a
-        start = self.starts.get(arm) or b["preflight"]["max_frames"] or self.grid[0]
+        start = self.starts.get(arm) or b["preflight"]["arms"][arm]["max_frames"] or self.grid[0]
         b["arms"][arm] = live = {"repro_arm": ARMS[arm], "label": rarms.ARM_LABEL[ARMS[arm]], "probes": [],
                                  "start_source": "--start-frames" if arm in self.starts else "Preflight"}
 

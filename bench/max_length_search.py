@@ -189,14 +189,22 @@ def ratios(arms: dict, guarded: str = "safesage", unguarded: str = "sage") -> di
     return out
 
 
-def preflight_vs_measured(pf: dict, measured_tokens: int | None) -> dict:
-    """Preflight's longest fitting size next to SafeSage's measured one: their token ratio and whether
-    the gap is over 10 % (the issue asks for an explanation then)."""
-    out = {}
-    if pf.get("max_tokens") and measured_tokens:
-        r = pf["max_tokens"] / measured_tokens
-        out = {"over_measured_safesage": round(r, 3), "gap_over_10pct": abs(r - 1) > 0.10}
-    return out
+#: Preflight's prediction is to land within this fraction of each arm's measured longest (issue #47)
+PREFLIGHT_TOLERANCE = 0.15
+#: the fields :func:`preflight_vs_measured` writes (and an older call's version of them)
+PREFLIGHT_CHECK_KEYS = ("preflight_over_measured", "within_15pct", "over_measured_safesage", "gap_over_10pct")
+
+
+def preflight_vs_measured(pf: dict, arms: dict) -> dict:
+    """Preflight's predicted longest length per arm (``pf["arms"]``) next to the measured one (``arms``):
+    ``preflight_over_measured`` (tokens) and whether it is within PREFLIGHT_TOLERANCE, per arm both have."""
+    ratio, within = {}, {}
+    for arm, m in arms.items():
+        p = (pf.get("arms") or {}).get(arm) or {}
+        if p.get("max_tokens") and m.get("max_tokens"):
+            r = p["max_tokens"] / m["max_tokens"]
+            ratio[arm], within[arm] = round(r, 3), abs(r - 1) <= PREFLIGHT_TOLERANCE
+    return {"preflight_over_measured": ratio, "within_15pct": within} if ratio else {}
 
 
 # ------------------------------------------------------------------------------------------ the JSON
@@ -235,10 +243,10 @@ def merge_budget(old: dict | None, new: dict) -> dict:
     out["commands"] = list(old.get("commands", [old.get("command")])) + [new.get("command")]
     for k in [k for k in out if k.startswith(SUMMARY_KEYS)]:     # the summary again, over all arms
         del out[k]
-    pf = {k: v for k, v in (out.get("preflight") or {}).items() if k not in ("over_measured_safesage", "gap_over_10pct")}
+    pf = {k: v for k, v in (out.get("preflight") or {}).items() if k not in PREFLIGHT_CHECK_KEYS}
     if all("max_tokens" in a for a in out["arms"].values()):      # every arm judged
         out.update(ratios(out["arms"]))
-        pf.update(preflight_vs_measured(pf, (out["arms"].get("safesage") or {}).get("max_tokens")))
+        pf.update(preflight_vs_measured(pf, out["arms"]))
     if "preflight" in out:
         out["preflight"] = pf
     return out

@@ -184,7 +184,9 @@ class SafeSagePreflight(io.ComfyNode):
                 "own formula), which limits of the SageAttention kernel on this GPU (and of comfy-kitchen's INT8 "
                 "attention, if installed) it crosses, the plan "
                 "SafeSage runs for each attention call, the MLP chunk size and the predicted memory of "
-                "both. Without a GPU it reports common GPUs. Runs no model."
+                "both, and the longest length predicted to fit the free memory (SafeSage, unguarded sage and "
+                "ComfyUI's own attention), with the budget it assumed and what it does not model. Without a "
+                "GPU it reports common GPUs. Runs no model."
             ),
             inputs=[
                 io.Int.Input("width", default=1664, min=32, max=16384, step=32, tooltip=TIP_SIZE),

@@ -256,24 +256,10 @@ def assess(width: int, height: int, length: int, ref_images: int = 0, text_token
     return Assessment(width, height, length, ref_images, t, policy, rt, verdicts, ck)
 
 
-# ---------------------------------------------------------------------------- the longest length
+# ---------------------------------------------------------------------------- the length grid
+# (the longest length that fits a budget: length_model.longest)
 #: the Preflight node's (and EmptyMiniMaxH3LatentAV's) largest ``length`` input
 MAX_LENGTH = 3600
-
-
-@dataclass(frozen=True)
-class LengthFit:
-    """:func:`max_length_within`'s answer: the longest H3 length at one width x height whose predicted
-    transients (:attr:`Verdict.peak_bytes`) fit a budget, and the next grid length, which does not."""
-    budget_bytes: int
-    length: int | None              # frames on H3's 17k+5 grid; None: not even 5 frames fit
-    tokens: int | None
-    peak_bytes: int | None          # its predicted peak
-    next_length: int | None         # the next grid length; None past ``max_length``
-    next_tokens: int | None
-    next_peak_bytes: int | None     # its predicted peak, over the budget
-    capped: bool                    # no grid length up to ``max_length`` exceeds the budget
-    scenario: Scenario
 
 
 def grid_lengths(max_length: int = MAX_LENGTH) -> list[int]:
@@ -283,32 +269,3 @@ def grid_lengths(max_length: int = MAX_LENGTH) -> list[int]:
         out.append(n)
         n = h3_frame_count(n + 1)
     return out
-
-
-def max_length_within(budget_bytes: int, width: int, height: int, ref_images: int = 0,
-                      text_tokens: int = H3_TEXT_TOKENS, policy=None, rt=None, comfy_wants_sage: bool = True,
-                      max_length: int = MAX_LENGTH, count=packed_tokens, mlp_device=None) -> LengthFit:
-    """The longest H3 length (frames on the 17k+5 grid, at most ``max_length``) whose predicted peak --
-    :attr:`Verdict.peak_bytes`, the larger of the attention plan's and the MLP's transients, what the
-    Preflight node compares with free memory -- is at most ``budget_bytes``, for this GPU's scenario
-    (:func:`scenarios_for` of ``rt``, default this process's runtime, with ``budget_bytes`` as the free
-    memory: the attention plan is chosen under its budget). The prediction is not monotone in the length
-    (plans change), so every grid length is checked from ``max_length`` down. ``count``: the token count,
-    ``packed_tokens`` by default (ComfyUI's own where it is loaded; a caller that must not import ComfyUI
-    passes ``h3.dims.h3_tokens``). Weights and activations are not part of Preflight's model."""
-    from ..policy import Policy
-    from ..facts.devices import runtime
-    policy = policy or Policy()
-    rt = rt or runtime()
-    if rt.arch is None:
-        raise ValueError("max_length_within needs a runtime with a GPU arch (Runtime(..., arch=(12, 0), ...))")
-    sc = scenarios_for(rt, budget_bytes)[0]
-    above = None                     # (length, tokens, peak) of the grid length after the one checked
-    for n in reversed(grid_lengths(max_length)):
-        S = count(width, height, n, ref_images, text_tokens).total
-        peak = verdict(S, sc, policy, comfy_wants_sage, mlp_device).peak_bytes
-        if peak <= budget_bytes:
-            nxt = above or (None, None, None)
-            return LengthFit(budget_bytes, n, S, peak, *nxt, capped=above is None, scenario=sc)
-        above = (n, S, peak)
-    return LengthFit(budget_bytes, None, None, None, *(above or (None, None, None)), capped=False, scenario=sc)

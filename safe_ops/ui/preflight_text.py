@@ -132,8 +132,73 @@ def preflight_report(width: int, height: int, length: int, ref_images: int = 0,
     a = assess(width, height, length, ref_images, text_tokens, policy, rt, free_bytes, comfy_wants_sage)
     lines, warnings = report_lines(a, model_note)
     lines += quality_lines(policy, a.rt, comfy_wants_sage)
-    lines += measured_length_lines()
-    return {"text": "\n".join(lines), "tokens": a.tokens, "warnings": warnings, "verdicts": a.verdicts}
+    ls, ws = length_lines(a)
+    lines += ls + measured_length_lines()
+    for w in ws:
+        lines.append("WARNING: " + w)
+    return {"text": "\n".join(lines), "tokens": a.tokens, "warnings": warnings + ws, "verdicts": a.verdicts}
+
+
+def length_lines(a: Assessment) -> tuple[list[str], list[str]]:
+    """(report lines, warnings): the longest length predicted to fit (``length_model``) at this width x
+    height, per arm, for the free memory assumed -- this GPU's free memory now, or without one (or
+    unreadable) the budgets of the facts file: the measured one with the prediction over the measured
+    longest, the others marked unverified -- then the model's terms and what it does not model."""
+    from . import length_model as lm
+    f = lm.facts()
+    sc = a.verdicts[0].scenario if a.verdicts else None
+    if sc is not None and sc.free_bytes is not None and a.rt.arch is not None:
+        budgets = [(sc.free_bytes, "this GPU's free memory now", sc)]
+    else:
+        budgets = [(int(float(k) * GiB), None, None) for k in sorted(f["budgets"], key=float)]
+    refs, text = a.ref_images, a.tokens.text
+    lines, warnings = [], []
+    for free, why, scenario in budgets:
+        got = {arm: lm.longest(arm, free, a.width, a.height, refs, text, scenario, a.policy) for arm in lm.ARMS}
+        checked = lm.measured_budget(free, f)
+        if why is None:
+            why = ("never measured: unverified" if not checked or not checked["measured"] else
+                   _measured_note(f, checked, got, a))
+        arms = "; ".join(f"{lm.ARM_LABELS[arm]} {_frames(g)}" for arm, g in got.items())
+        lines.append(f"longest length predicted at {a.width}x{a.height}, {refs} reference image(s), for "
+                     f"{free / GiB:.1f} GiB free ({why}): {arms}")
+        ss = got["safesage"]
+        pk = lm.step_peak("safesage", a.S, free, scenario, a.policy)
+        lines.append(f"  your {h3_frame_count(a.length)} frames with SafeSage: predicted peak "
+                     f"{_fmt_gib(pk.total)} of {free / GiB:.2f} GiB: " + ("fits" if pk.fits else "out of memory"))
+        if not pk.fits:
+            warnings.append(f"{h3_frame_count(a.length)} frames at {a.width}x{a.height}: SafeSage's step is predicted "
+                            f"to need {_fmt_gib(pk.total)} with {free / GiB:.1f} GiB free; the longest predicted "
+                            f"to fit is {_frames(ss)}")
+    s = f["setup"]
+    ar = f["arms"]
+    lines.append(
+        f"length model (safe_ops/facts/length_model.json, fitted on {f['sources']['max_length']}: "
+        f"{s['gpu']} held to 24 GiB free, {s['arch_name']} sage {s['sage']} path emulated, {s['width']}x{s['height']}, "
+        f"{s['blocks']}-block H3, ComfyUI {s['tree']}): a step's peak = CUDA context and resident weights "
+        f"{f['outside_pool']['gib']:.2f} GiB + the allocator's slack ("
+        + ", ".join(f"{ar[k]['allocator_slack_bytes'] / GiB:.2f}" for k in lm.ARMS)
+        + " GiB for SafeSage, unguarded sage, ComfyUI's own) + activations per token (SafeSage "
+        f"{ar['safesage']['per_token_bytes']:,.0f} bytes at its attention call, plus its result and the result's "
+        f"copy; unguarded {ar['sage']['per_token_bytes']:,.0f} and {ar['pytorch']['per_token_bytes']:,.0f} at "
+        "ComfyUI's unchunked MLP) + SafeSage's attention plan, made within the memory left")
+    lines.append("length model does not model: " + "; ".join(lm.NOT_MODELLED))
+    return lines, warnings
+
+
+def _frames(g) -> str:
+    return ("nothing (not even 5 frames)" if g.frames is None else
+            f"{g.frames} frames ({g.tokens:,} tokens)" + (" or more (the node's top)" if g.capped else ""))
+
+
+def _measured_note(f: dict, checked: dict, got: dict, a: Assessment) -> str:
+    """The measured budget's check: prediction over measured longest per arm, where this is the measured size."""
+    from . import length_model as lm
+    s = f["setup"]
+    if (a.width, a.height, a.ref_images) != (s["width"], s["height"], 0):
+        return f"measured there at {s['width']}x{s['height']} only"
+    return "measured there: prediction / measured longest " + ", ".join(
+        f"{lm.ARM_LABELS[arm]} {checked['arms'][arm]['preflight_over_measured']:.2f}" for arm in got)
 
 
 #: the arms of facts/measured_lengths.json as the Preflight text names them

@@ -1,7 +1,7 @@
 """bench/max_length.py (issue #40): the search over H3's frame grid with fake probes, what a bench.repro
 row's outcome means there (on committed rows), the ratio fields, the JSON merge, the WxHxL sizes of
-bench/repro, Preflight's max_length_within against its own per-size prediction, and a whole call with
-the servers replaced by a fake worker (start at Preflight's length, the hold, the output check without
+bench/repro, Preflight's per-arm prediction (the length model) and its check against the measured lengths,
+and a whole call with the servers replaced by a fake worker (each arm starting at its predicted length, the hold, the output check without
 it, unverified lengths, the in-limit error measured then reused, a second budget merged in)."""
 from __future__ import annotations
 
@@ -227,40 +227,33 @@ def _rt():
                    None, "cudaMallocAsync", True, "0.30.0")
 
 
-def test_max_length_within_is_preflights_own_prediction_largest_fitting():
-    from safe_ops.facts.budget import plan_budget_bytes
+def test_preflights_prediction_is_the_length_models_per_arm():
+    # bench.max_length records Preflight's longest length per arm (safe_ops.ui.length_model.longest, the
+    # emulated arch's scenario) and starts each arm's search there; sage 1.0.6 is predicted as unguarded sage
+    import argparse
+    from bench import max_length
     from safe_ops.models.h3.dims import h3_tokens
-    from safe_ops.policy import Policy
+    from safe_ops.ui import length_model as lm
     from safe_ops.ui import preflight as pf
-    budget = 3 * GiB
-    fit = pf.max_length_within(budget, 1280, 720, rt=_rt(), max_length=600, count=h3_tokens)
-    sc = pf.Scenario("x", (12, 0), "2.2.0", "sage2_sm120_fp8pv", plan_budget_bytes(budget), budget, gpu=_rt().device_name)
-    assert fit.scenario.budget_bytes == sc.budget_bytes and fit.scenario.family == "sage2_sm120_fp8pv"
-
-    def peak(n):
-        return pf.verdict(h3_tokens(1280, 720, n).total, sc, Policy(), True).peak_bytes
-    assert fit.length == 481 and not fit.capped
-    assert fit.peak_bytes == peak(481) <= budget
-    assert fit.next_length == 498 and fit.next_peak_bytes == peak(498) > budget
-    assert all(peak(n) > budget for n in pf.grid_lengths(600) if n > fit.length)
-    v = pf.verdict(fit.tokens, sc, Policy(), True)
-    assert v.peak_bytes == max(v.attn_bytes, v.mlp_bytes)       # what the Preflight text calls the peak
+    a = argparse.Namespace(emulate_arch="sm120", preflight_sage="2.2.0", width=1280, height=720, text_tokens=256,
+                           max_frames=600)
+    got = max_length.preflight_fit(a, 24.0, "NVIDIA H100 80GB HBM3")
+    assert got["function"] == "safe_ops.ui.length_model.longest" and got["family"] == "sage2_sm120_fp8pv"
+    sc = pf.scenarios_for(_rt(), 24 * GiB)[0]
+    for arm, model_arm in (("safesage", "safesage"), ("sage", "sage"), ("pytorch", "pytorch"), ("sage1", "sage")):
+        lg = lm.longest(model_arm, 24 * GiB, 1280, 720, scenario=sc, count=h3_tokens, max_length=600)
+        row = got["arms"][arm]
+        assert (row["max_frames"], row["max_tokens"], row["capped_by_max_frames"]) == (lg.frames, lg.tokens, lg.capped)
+    assert got["arms"]["safesage"]["capped_by_max_frames"] and not got["arms"]["sage"]["capped_by_max_frames"]
 
 
-def test_max_length_within_24_gib_is_the_grid_cap():
-    # Preflight's model plans attention within 0.8 x free and chunks the MLP: nothing at 1280x720 up to
-    # 600 frames exceeds 24 GiB in it (activations and weights are not modelled)
-    from safe_ops.models.h3.dims import h3_tokens
-    from safe_ops.ui import preflight as pf
-    fit = pf.max_length_within(24 * GiB, 1280, 720, rt=_rt(), max_length=600, count=h3_tokens)
-    assert (fit.length, fit.capped, fit.next_length) == (600, True, None) and fit.peak_bytes <= 24 * GiB
-
-
-def test_max_length_within_nothing_fits():
-    from safe_ops.models.h3.dims import h3_tokens
-    from safe_ops.ui import preflight as pf
-    fit = pf.max_length_within(2 ** 20, 1280, 720, rt=_rt(), max_length=39, count=h3_tokens)
-    assert fit.length is None and fit.next_length == 5 and fit.next_peak_bytes > 2 ** 20
+def test_preflight_over_measured_per_arm():
+    pf = {"arms": {"safesage": {"max_tokens": 220}, "sage": {"max_tokens": 100}, "pytorch": {"max_tokens": None}}}
+    got = ms.preflight_vs_measured(pf, {"safesage": {"max_tokens": 200}, "sage": {"max_tokens": 125},
+                                        "pytorch": {"max_tokens": 90}})
+    assert got == {"preflight_over_measured": {"safesage": 1.1, "sage": 0.8}, "within_15pct": {"safesage": True,
+                                                                                                 "sage": False}}
+    assert ms.preflight_vs_measured({"max_tokens": 5}, {"safesage": {"max_tokens": 5}}) == {}
 
 
 # ------------------------------------------------------------------------------------ a whole call
@@ -318,14 +311,14 @@ def test_a_whole_call_with_fake_servers(tmp_path, monkeypatch):
     out = tmp_path / "max_length.json"
     common = ["--comfy", str(tmp_path), "--ckpt", str(ckpt), "--max-frames", "600", "--work", str(tmp_path / "w"),
               "--out", str(out), "--emulate-arch", "sm120", "--probe-limit", "6", "--grow", "1.2"]
-    doc = max_length.main(common + ["--budget-gib", "3"])
-    b = doc["budgets"]["3"]
+    doc = max_length.main(common + ["--budget-gib", "22"])
+    b = doc["budgets"]["22"]
     # the in-limit pair ran first, without the hold; every probe under it; the references after it
     assert seen[:2] == [("sage", "38k", False), ("pytorch", "38k", False)]
     assert doc["in_limit"]["value"] == pytest.approx(0.04, rel=0.15) and "measured" in doc["in_limit"]["source"]
-    assert b["preflight"]["max_frames"] == 481 and b["driver_cuda_initialized"] is False
-    for arm, r in b["arms"].items():
-        assert r["probes"][0]["frames"] == 481 and r["start_source"] == "Preflight"
+    assert b["driver_cuda_initialized"] is False
+    for arm, r in b["arms"].items():            # each arm starts at its predicted length
+        assert r["probes"][0]["frames"] == b["preflight"]["arms"][arm]["max_frames"] and r["start_source"] == "Preflight"
         assert all(p["tokens"] > 0 and p["wall_s"] == 1.0 for p in r["probes"])
     assert all(held for arm, size, held in seen[2:2 + sum(len(r["probes"]) for r in b["arms"].values())])
     s, g, p = (b["arms"][k] for k in ("safesage", "sage", "pytorch"))
@@ -338,18 +331,21 @@ def test_a_whole_call_with_fake_servers(tmp_path, monkeypatch):
     assert (p["max_frames"], p["verified"]) == (481, True) and p["probes"][0]["rel_l2_vs_reference"] == 0.0
     assert b["safesage_over_unguarded_sage"] == round(s["max_tokens"] / g["max_tokens"], 3)
     assert b["best_other"] == "pytorch" and b["unverified_arms"] == ["safesage"]
-    assert b["preflight"]["over_measured_safesage"] == round(b["preflight"]["max_tokens"] / s["max_tokens"], 3)
+    for arm, r in b["arms"].items():
+        assert b["preflight"]["preflight_over_measured"][arm] == \
+            round(b["preflight"]["arms"][arm]["max_tokens"] / r["max_tokens"], 3)
     on_disk = json.loads(out.read_text())
-    assert on_disk["budgets"]["3"]["arms"]["safesage"]["max_frames"] == 583 and len(on_disk["calls"]) == 1
+    assert on_disk["budgets"]["22"]["arms"]["safesage"]["max_frames"] == 583 and len(on_disk["calls"]) == 1
     # a second budget merges in; the in-limit error and the references come from the first call
     n_refs = len([x for x in seen if x[0] == "pytorch" and not x[2] and x[1] != "38k"])
     seen.clear()
     doc2 = max_length.main(common + ["--budget-gib", "24", "--start-frames", "sage=328"])
-    assert sorted(doc2["budgets"]) == ["24", "3"] and len(doc2["calls"]) == 2
+    assert sorted(doc2["budgets"]) == ["22", "24"] and len(doc2["calls"]) == 2
     assert doc2["in_limit"]["reused_from_an_earlier_call"] and ("sage", "38k", False) not in seen
     assert "measured" in doc2["in_limit"]["source"]
     b24 = doc2["budgets"]["24"]
-    assert b24["preflight"]["capped_by_max_frames"] and b24["arms"]["sage"]["start_source"] == "--start-frames"
+    assert b24["preflight"]["arms"]["safesage"]["capped_by_max_frames"]
+    assert b24["arms"]["sage"]["start_source"] == "--start-frames"
     assert b24["arms"]["sage"]["probes"][0]["frames"] == 328
     cached = [k for k, v in b24["references"].items() if v.get("cached")]
     assert cached and n_refs > 0
@@ -366,17 +362,19 @@ def test_one_budget_split_over_two_calls_merges_per_arm(tmp_path, monkeypatch):
     ckpt = tmp_path / "h3.safetensors"
     ckpt.write_bytes(b"x" * 100)
     common = ["--comfy", str(tmp_path), "--ckpt", str(ckpt), "--max-frames", "600", "--work", str(tmp_path / "w"),
-              "--out", str(tmp_path / "m.json"), "--probe-limit", "6", "--grow", "1.2", "--budget-gib", "3",
+              "--out", str(tmp_path / "m.json"), "--probe-limit", "6", "--grow", "1.2", "--budget-gib", "22",
               "--in-limit-error", "0.04", "--start-frames", "pytorch=413", "--start-note", "committed rows"]
-    first = max_length.main(common + ["--arms", "safesage", "sage"])["budgets"]["3"]
+    first = max_length.main(common + ["--arms", "safesage", "sage"])["budgets"]["22"]
     assert sorted(first["arms"]) == ["safesage", "sage"] and first["best_other"] == "sage"
-    b = max_length.main(common + ["--arms", "pytorch"])["budgets"]["3"]
+    b = max_length.main(common + ["--arms", "pytorch"])["budgets"]["22"]
     assert list(b["arms"]) == ["safesage", "sage", "pytorch"] and len(b["commands"]) == 2
     assert b["arms"]["pytorch"]["start_source"] == "--start-frames" and b["start_frames"]["note"] == "committed rows"
     assert b["best_other"] == "pytorch"                      # the summary is over all three arms again
     s, p = b["arms"]["safesage"]["max_tokens"], b["arms"]["pytorch"]["max_tokens"]
     assert b["safesage_over_best_other"] == round(s / p, 3)
-    assert b["preflight"]["over_measured_safesage"] == round(b["preflight"]["max_tokens"] / s, 3)
+    assert b["preflight"]["preflight_over_measured"]["safesage"] == \
+        round(b["preflight"]["arms"]["safesage"]["max_tokens"] / s, 3)
+    assert set(b["preflight"]["preflight_over_measured"]) == {"safesage", "sage", "pytorch"}
 
 
 def test_merge_budget_drops_a_stale_summary_while_an_arm_is_unjudged():
@@ -386,8 +384,10 @@ def test_merge_budget_drops_a_stale_summary_while_an_arm_is_unjudged():
     m = ms.merge_budget(old, live)
     assert "safesage_over_unguarded_sage" not in m and "best_other" not in m and "goal" not in m
     assert m["preflight"] == {"max_tokens": 400} and m["commands"] == ["a", "b"]
+    old["preflight"]["arms"] = {"safesage": {"max_tokens": 400}}
     done = ms.merge_budget(old, {"command": "b", "arms": {"pytorch": _arm(300)}})
-    assert done["best_other"] == "pytorch" and done["preflight"]["over_measured_safesage"] == 2.0
+    assert done["best_other"] == "pytorch" and done["preflight"]["preflight_over_measured"] == {"safesage": 2.0}
+    assert "gap_over_10pct" not in done["preflight"]
 
 
 def test_on_a_gpu_preflights_prediction_is_asked_in_a_child_that_sees_no_gpu(tmp_path, monkeypatch):
@@ -410,7 +410,8 @@ def test_on_a_gpu_preflights_prediction_is_asked_in_a_child_that_sees_no_gpu(tmp
     got = max_length.Call.preflight(fake_call, 24.0)
     assert seen["visible"] == "" and "--preflight-only" in seen["cmd"]
     assert got == max_length.preflight_fit(a, 24.0, "NVIDIA H100 80GB HBM3")
-    assert got["max_frames"] == 3592
+    # Preflight's SafeSage length at 24 GiB was the grid's top, 3,592 frames, before issue 47; now 753
+    assert got["arms"]["safesage"]["max_frames"] == 753
 
 
 def test_preflights_max_length_is_the_preflight_nodes_length_maximum():
