@@ -54,6 +54,8 @@ class Prepared:
     checked: set = field(default_factory=set)  # families whose class of this call has a verdict (not asked again)
     never_guarded: bool = False       # no guarded kernel takes this signature under any budget
     fallback_reason: str = ""         # why not, when a guarded kernel was a candidate (counted per call)
+    policy_plan: Plan | None = None   # the kernel policy's own plan where the speed budget planned another family
+    costs: dict | None = None         # family -> predicted time vs policy_plan (speed_budget.BudgetChoice.speed_costs)
 
 
 class PlanChoice:
@@ -167,6 +169,9 @@ class PlanChoice:
         # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
         tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name, self.rt.device_name)
         plan = choose(call, envelopes, budget, tflops)
+        policy_plan = plan
+        # the quality setting's speed budget: the least-error family within it runs from step 1 (speed_budget.py)
+        plan, envelopes, costs = self.within_budget_plan(call, plan, envelopes, budget)
         key = shape_key(call, n)
         run_stats.remember_plan(key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
@@ -181,7 +186,8 @@ class PlanChoice:
                         {} if budget is None else {budget: plan}, {}, tflops, klass=klass, func=func,
                         form=n.form, cuda=n.q4.is_cuda, device=q.device,
                         fixed=budget is None or not envelopes or never,
-                        never_guarded=never, fallback_reason="; ".join(plan.reasons))
+                        never_guarded=never, fallback_reason="; ".join(plan.reasons),
+                        policy_plan=policy_plan if plan is not policy_plan else None, costs=costs)
 
     def _class_key(self, family: str, call: AttnCall) -> tuple:
         """Verdicts are per class of *call* (the caller's layout), whatever plan ran it, on this
