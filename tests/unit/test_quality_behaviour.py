@@ -4,14 +4,18 @@ fake families' launch counts), which calls ran ComfyUI's own attention, and the 
 the statistics -- so that the tests outlive a rewrite of targets.py's rule and guard.py's state:
 
 a. a moved block's fallback order (``Choice.alternatives``): the first family that can run the
-   block's calls runs them, the next one under the block's target only where it cannot;
+   block's calls runs them, the next one under the block's target only where it cannot -- and for a
+   block moved within the speed budget (``kernel=auto``), the next least-error family within it;
 b. attention calls handed on unread still count in the call-order numbering of blocks (a model
-   without ``block_index``);
+   without ``block_index``): a mask, full precision, a head size no family runs, a form SafeSage
+   does not read;
 c. the step of a model evaluation comes from the schedule (``sample_sigmas``), not from counting
-   sigma changes: a sampler's extra evaluations between schedule sigmas (DPM2's midpoint) shift
-   neither ``exact_steps`` nor the measured or reported step;
-d. a run that ended leaves nothing behind on its thread: calls after it run as planned, and the
-   next run measures again;
+   sigma changes: a sampler's extra evaluations (DPM2's midpoints, Heun's corrector) shift neither
+   ``exact_steps`` nor the measured or reported step at the schedule's sigmas (a midpoint's own
+   step: strict xfails, open);
+d. a run that ended leaves nothing behind on its thread: calls after it run as planned, the next
+   run measures again (also under the same run id), and a run whose start the guard did not see
+   recalls nothing of the previous run's model;
 
 and further mechanisms found unheld while mutating guard.py / override.py by hand: a block's
 calls of different classes are measured and moved apart; a forward without a sampling step in
@@ -143,6 +147,81 @@ def test_a_moved_block_never_falls_back_to_a_family_over_its_target(fresh, extra
     assert fq.LAUNCHES[fq.KITCHEN] == after_step_1[fq.KITCHEN], fq.LAUNCHES
 
 
+# The speed budget's order (kernel=auto): every block moves to the least-error family within the budget,
+# fake_kitchen_b (0.002); its alternatives are the other families within the budget with less error than
+# the block's planned one, least error first: fake_kitchen (0.006), then fake_kitchen_c (0.012, under the
+# outliers' fake_sage error only).
+def attention_sage(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                   **kw):
+    """Stands for ComfyUI's attention_sage: under ``kernel=auto`` SafeSage reads it as ComfyUI started
+    with --use-sage-attention, and plans fake_sage."""
+    return SDPA(q, k, v, scale=kw.get("scale"))
+
+
+@pytest.fixture
+def all_within_budget(fresh, extra_families, monkeypatch):
+    """Published speeds for the CPU putting fake_kitchen_b, fake_kitchen_c and fake_kitchen within
+    ``balanced``'s budget (1.05x) of fake_sage; only fake_sage's random-input error known, so fake_sage
+    stays planned until step 1 has measured the blocks."""
+    from safe_ops.attention import speed_budget
+    from safe_ops.facts import speed_table
+    from safe_ops.quality import memory
+    fq = fresh
+    memory.forget()
+    rows = {fq.SAGE: 100.0, "fake_kitchen_b": 99.0, "fake_kitchen_c": 99.0, fq.KITCHEN: 99.0}
+    monkeypatch.setattr(speed_table, "_published", lambda: tuple(
+        {"arch": "cpu", "family": f, "tflops": t, "gpu": "test", "version": "test", "source": "test"}
+        for f, t in rows.items()))
+    monkeypatch.setattr(speed_budget, "prior_error", lambda name: 0.04 if name == fq.SAGE else None)
+    yield fq
+    memory.forget()
+
+
+def _three_within_budget(fq, b_error):
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.facts.devices import Runtime
+    from safe_ops.families import envelope, registry
+    from safe_ops.policy import Policy
+    fams = [fq.make_family(registry.KIT, name, "ck", 0, error=err)
+            for name, err in (("fake_kitchen_b", b_error), ("fake_kitchen_c", lambda: C_ERR))]
+    for f in fams:
+        envelope.register(f.envelope)
+    rt = Runtime("test", None, None, None, None, None, "test", None, None, None)
+    base = registry.installed_kernels(rt)
+    return SafeAttention(Policy(kernel="auto", quality="balanced"), rt=rt,
+                         kernels=base[:1] + [f.kernel() for f in fams] + base[1:])
+
+
+def test_a_block_moved_within_the_speed_budget_falls_back_to_the_next_least_error_family(all_within_budget):
+    """fake_kitchen_b, chosen for every block within the speed budget, fails its first-call check from
+    step 2: that call is recomputed by ComfyUI's own, and the outliers' later calls run the next
+    least-error family within the budget, fake_kitchen (0.006) -- not fake_kitchen_c (0.012), which is
+    not launched again after step 1."""
+    fq, data = all_within_budget, make_blocks(NB, SEQ, OUTLIERS)
+    state, err = _armed(B_ERR)
+    att = _three_within_budget(fq, err)
+
+    def calls(att):
+        return [att(attention_sage, q, k, v, H, skip_reshape=True, skip_output_reshape=True,
+                    transformer_options={"block_index": b}) for b, (q, k, v) in enumerate(data)]
+
+    sched = schedule(3)
+    outs = [evaluate(att, sched[0], sched, calls)]
+    after_step_1 = dict(fq.LAUNCHES)
+    state["armed"] = 0.9
+    outs += [evaluate(att, sched[s], sched, calls) for s in (1, 2)]
+    end_run()
+    ch = choices()
+    assert all(c["planned"] == fq.SAGE and c["family"] == "fake_kitchen_b" and c["rule"] == "budget"
+               for c in ch.values()), ch
+    assert all(ch[b]["candidates"]["fake_kitchen_c"] < ch[b]["planned_error"] for b in OUTLIERS), ch
+    assert torch.equal(outs[1][0], SDPA(*data[0]))              # the failed call: ComfyUI's own
+    for step in (1, 2):
+        for b in OUTLIERS:
+            assert kitchen_like(outs[step][b], *data[b], fq.KITCHEN_ERROR), (step, b, rel(outs[step][b], SDPA(*data[b])))
+    assert fq.LAUNCHES["fake_kitchen_c"] == after_step_1["fake_kitchen_c"], fq.LAUNCHES
+
+
 # ------------------------------------------------------------------------------------------------ b. unread calls
 def _unread(kind):
     """An attention call of ``kind`` that no guarded fake family takes: (q, k, v), extra kwargs."""
@@ -174,18 +253,14 @@ def _with_an_unread_call(data, kind, at):
     return calls
 
 
-@pytest.mark.parametrize("kind", [
-    "masked", "full precision", "head size",
-    pytest.param("v head size", marks=pytest.mark.xfail(strict=True, reason=(
-        "a call SafeSage cannot read (call_forms.UnsupportedCall: _first_call hands it to ComfyUI before "
-        "_quality_context) is not counted in the call-order numbering: the report names every later block "
-        "one lower than its position in the forward (issue 45 row 6, found by h-mutants)")))])
+@pytest.mark.parametrize("kind", ["masked", "full precision", "head size", "v head size"])
 def test_calls_handed_on_unread_count_in_the_call_order_numbering(fresh, kind):
     """A model without ``block_index`` makes one call no guarded kernel takes (``kind``) between blocks 2
     and 3 of 6, at every step: the blocks are the 1st-3rd and 5th-7th attention calls of each forward.
     The run's report names them 0-2 and 4-6 (the outliers 5 and 6), and from step 2 the outliers'
     calls -- not their neighbours' -- run the move: also where the unread call was read in full at
-    step 1 (a new signature) and handed on by the fast path from step 2 on (``head size``)."""
+    step 1 (a new signature) and handed on by the fast path from step 2 on (``head size``), and where
+    it is a form SafeSage does not read at all (``v head size``: handed on at every step)."""
     fq, data = fresh, make_blocks(NB, SEQ, OUTLIERS)
     att = make(quality="balanced")
     calls = _with_an_unread_call(data, kind, at=3)
@@ -354,11 +429,12 @@ def test_calls_after_a_run_ended_run_as_planned(fresh):
 
 
 def test_calls_after_a_run_that_ended_on_its_measured_step_are_not_measured(fresh):
-    """A one-step run (its only step measured; its errors read at its end): calls after it are not
-    measured, and no candidate is run for them."""
+    """A 3-step run cancelled after its measured step 1 (its errors read at the run's end): the choices
+    are made then, and calls after the run are not measured, run no candidate and no move.
+    (A 1-step run is no such case: its probe is skipped, no guarded step follows it.)"""
     fq, data = fresh, make_blocks(NB, SEQ, OUTLIERS)
     att = make(quality="balanced")
-    sched = schedule(1)
+    sched = schedule(3)
     evaluate(att, sched[0], sched, data)
     end_run()
     assert quality()["probes"] == NB and len(choices()) == NB
@@ -371,19 +447,63 @@ def test_calls_after_a_run_that_ended_on_its_measured_step_are_not_measured(fres
 def test_a_run_that_ended_is_forgotten_even_where_the_run_id_stays(fresh):
     """The run's end (quality.guard.run_ended, patch.py's OUTER_SAMPLE wrapper) forgets the run, also
     where the thread's run id does not move on after it (the wrapper's ``compiler.new_run`` failed,
-    contained): the next run on the thread measures again at its step 1 and runs its step 1 as planned."""
-    fq, data = fresh, make_blocks(NB, SEQ, OUTLIERS)
+    contained): the next run on the thread -- another latent, its outliers in blocks 0 and 1 -- measures
+    again at its step 1, runs it as planned, and from step 2 moves its own outliers, not the first run's."""
+    fq = fresh
+    first_run, second_run = make_blocks(NB, SEQ, OUTLIERS), make_blocks(NB, SEQ, (0, 1), seed=3)
     from safe_ops.quality import guard
     att = make(quality="balanced")
-    sched = schedule(2)
+    sched = schedule(3)
     for s in range(2):
-        evaluate(att, sched[s], sched, data)
+        evaluate(att, sched[s], sched, first_run)
     guard.run_ended()                          # no compiler.new_run() after it
     assert quality()["probes"] == NB
-    first = evaluate(att, sched[0], sched, data)
+    outs = [evaluate(att, sched[s], sched, second_run) for s in range(3)]
     assert quality()["probes"] == 2 * NB, quality()
-    assert _as_planned(fq, data, first)
+    assert _as_planned(fq, second_run, outs[0])
     end_run()
+    assert sorted(b for b, c in choices().items() if c["moved"]) == [0, 1], choices()
+    for step in (1, 2):
+        for b in range(NB):
+            if b in (0, 1):
+                assert kitchen_like(outs[step][b], *second_run[b], fq.KITCHEN_ERROR), (step, b)
+            else:
+                assert rel(outs[step][b], fake_sage_out(fq, *second_run[b])) < 1e-4, (step, b)
+
+
+class _Patcher:
+    """What the guard reads of ComfyUI's sampling ModelPatcher: its base model and patches_uuid."""
+    def __init__(self, model, uuid):
+        self.model, self.patches_uuid = model, uuid
+
+
+def test_a_run_whose_start_was_not_seen_recalls_nothing_of_the_previous_runs_model(fresh):
+    """Run 1 samples model A (patch.py's OUTER_SAMPLE wrapper: guard.run_started), whose errors are
+    remembered for A. After it ended, a run of another SafeSage node's model B whose start the guard did
+    not see (the wrapper's run_started failed, contained, or B is sampled outside ComfyUI's sampler) is
+    not A's run: B's blocks are measured at its step 1, nothing is recalled from A's errors, and B's
+    outliers (other blocks than A's) are the ones that move."""
+    from safe_ops.quality import guard, memory
+    fq = fresh
+    memory.forget()
+    model_a = torch.nn.Identity()              # a base model (weakly referenced by the memory)
+    a_data, b_data = make_blocks(NB, SEQ, OUTLIERS), make_blocks(NB, SEQ, (0, 1), seed=3)
+    att_a, att_b = make(quality="balanced"), make(quality="balanced")
+    sched = schedule(3)
+    try:
+        guard.run_started(_Patcher(model_a, "a"))
+        for s in range(2):
+            evaluate(att_a, sched[s], sched, a_data)
+        end_run()
+        assert memory.entries() == NB and quality()["probes"] == NB, quality()
+        outs = [evaluate(att_b, sched[s], sched, b_data) for s in range(3)]    # no run_started
+        end_run()
+        assert quality()["probes"] == 2 * NB and quality()["recalled_blocks"] == 0, quality()
+        assert memory.entries() == NB              # nothing of B's remembered under A's key
+        assert sorted(b for b, c in choices().items() if c["moved"]) == [0, 1], choices()
+        assert _as_planned(fq, b_data, outs[0])
+    finally:
+        memory.forget()
 
 
 # ------------------------------------------------------------------------------------------------ further
