@@ -69,8 +69,10 @@ TIP_QUALITY = (
     "out (over 4.4x the run's median, or over its kernel's ceiling) moves to a kernel under it whatever the "
     "speed. The errors are remembered for the model: later prompts run the choices from step 1 and measure "
     "nothing (a LoRA, another kernel build or another size measures again; POST /safesage/quality/forget "
-    "forgets). Measuring costs 0.46-0.53% of a 20-step prompt (4.6-5.3% of a 2-step one) in a warm ComfyUI, "
-    "0.78% (7.8%) in its first prompt (H100, 38k tokens, RTX dispatch emulated). "
+    "forgets). Measuring costs 0.46-0.53% of a 20-step prompt (4.6-5.3% of a 2-step one) in a ComfyUI that "
+    "has run a prompt before, 0.78% (7.8%) in its first prompt on the RTX 40xx path (an H100 at 38k tokens, "
+    "RTX dispatch emulated; the 50xx path's first prompt there, 13.6%, carried the H100's one-time compile of "
+    "the kernels, which an RTX card does not pay); a prompt with remembered errors is not timed on a GPU yet. "
     "strict: a 50% budget; the target is 2x the median and at most 0.02. "
     "faults only: nothing measured; the kernel policy's choice runs (crash and noise guards only). "
     "Per block in /safesage/stats."
@@ -122,6 +124,7 @@ class SafeSageAttention(io.ComfyNode):
                 io.Int.Input("exact_steps", default=0, min=0, max=10000, tooltip=TIP_EXACT_STEPS, optional=True),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -154,7 +157,8 @@ class SafeSageAttention(io.ComfyNode):
             probe_step=int(quality_probe_step),
             exact_steps=int(exact_steps),
         )
-        patched, summary = apply_safesage(model, policy)
+        # this node's id (a subgraph node's path included): the quality outcome it shows is its own
+        patched, summary = apply_safesage(model, policy, node=getattr(getattr(cls, "hidden", None), "unique_id", None))
         if patched is model:
             # Postcondition: patches live on a clone, so the loader's cached model stays clean.
             raise RuntimeError("SafeSage internal error: safe_ops patched the input model in place instead of a clone.")

@@ -168,8 +168,10 @@ def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
 WRAPPERS = {"APPLY_MODEL": _forward_wrapper, "OUTER_SAMPLE": _run_wrapper}
 
 
-def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, dict]:
-    """Return a patched clone of ``model_patcher`` and a summary (``summary["text"]`` for humans)."""
+def apply_safesage(model_patcher: Any, policy: Policy = Policy(), node: str | None = None) -> tuple[Any, dict]:
+    """Return a patched clone of ``model_patcher`` and a summary (``summary["text"]`` for humans).
+    ``node``: ComfyUI's id of the SafeSage node (a subgraph node's path, e.g. ``"7:3"``), under which
+    the quality guard publishes its outcome (quality/report.py); None outside a node."""
     rt = runtime()
     lines = [f"SafeSage: {rt.summary()}"]
     warnings: list[str] = []
@@ -187,6 +189,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         prev = prev.previous
     layer_fns, layer_lines = layer_attention_functions(_diffusion_model(m))
     attn = SafeAttention(policy, rt=rt, previous=prev, layer_functions=layer_fns)
+    attn.quality.node = None if node is None else str(node)
     to[OVERRIDE_KEY] = attn
     if prev is not None:
         kind = attn.previous_kind

@@ -108,6 +108,15 @@ class BudgetChoice:
                 self._prices(p.call, planned, self._budget(p.device)))
         return p.costs
 
+    def speed_sources(self) -> dict[str, str]:
+        """family -> where its speed on this arch comes from (the speed table's provenance), for the run's
+        report (quality/report.py); read once per override."""
+        src = getattr(self, "_speed_sources", None)
+        if src is None:
+            table = speeds(self.rt.arch_name, self.rt.device_name, table_aliases())
+            src = self._speed_sources = {f: s.provenance() for f, s in table.items()}
+        return src
+
     def _prices(self, call: AttnCall, planned: Plan, budget_bytes: int | None) -> dict:
         ok = {f: k for f, k in self.kernels.items() if f == planned.kernel or self.usable(f, call)}
         return price(call, planned, ok, self.rt.arch_name, self.rt.device_name, budget_bytes)

@@ -96,6 +96,7 @@ class RunState:
     report: list = field(default_factory=list)    # this run's choices (targets.Choice), measured or remembered
     sources: set = field(default_factory=set)     # where they came from: "measured", "remembered"
     budget: float = 1.0              # the speed budget the choices were made under
+    speeds: dict = field(default_factory=dict)    # family -> its speed's provenance (speed_budget.speed_sources)
     published: bool = False          # a later step's report was published
 
 
@@ -296,6 +297,8 @@ class QualityGuard:
             return
         STATS.bump("probes" if st.mode == PROBE else "report_probes")
         p = n.prepared
+        if not st.speeds and att.speed_budget() > 1.0:
+            st.speeds = att.speed_sources()
         st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order,
                                    _ceiling(att, plan.kernel), att.speed_costs(p) if p is not None else {},
                                    targets.REFERENCE_FLOOR.get(str(n.q.dtype).replace("torch.", ""), 0.0),
@@ -320,6 +323,9 @@ class QualityGuard:
         mem = memory.recall(st.key, st.site, p.klass)
         if not mem:
             return frozenset()
+        st.budget = att.speed_budget()
+        if not st.speeds and st.budget > 1.0:
+            st.speeds = att.speed_sources()
         planned = p.plan.kernel
         costs = att.speed_costs(p)
         floor = targets.REFERENCE_FLOOR.get(p.call.dtype, 0.0)
@@ -330,7 +336,7 @@ class QualityGuard:
                                                 {f: e for f, e in errs.items() if f != ran}, costs, floor))
         ceilings = {m.planned: _ceiling(att, m.planned) for m in measured}
         choices = targets.decide(measured, self.quality, att.quality_order(func),
-                                 {f: c for f, c in ceilings.items() if c is not None}, att.speed_budget())
+                                 {f: c for f, c in ceilings.items() if c is not None}, st.budget)
         STATS.bump("recalled_blocks", len(choices))
         self._chose(st, choices, "remembered")
         return frozenset(mem)
@@ -351,7 +357,10 @@ class QualityGuard:
         lines = outcome.lines(blocks)
         publish("choices", {"quality": self.quality, "blocks": blocks, "lines": lines,
                             "source": "+".join(sorted(st.sources)), "budget": st.budget,
-                            "cost": predicted_cost(st.report)}, self.node, st.run)
+                            "cost": predicted_cost(st.report),
+                            "speeds": {f: st.speeds[f] for f in sorted({c.family for c in st.report} |
+                                                                       {c.planned for c in st.report})
+                                       if f in st.speeds}}, self.node, st.run)
         log.info("SafeSage quality guard (%s, %s errors): %s", self.quality, source, "; ".join(lines))
 
     def _conclude(self, st: RunState, pend: list, values: dict) -> None:

@@ -82,10 +82,13 @@ def test_outlier_blocks_move_benign_stay_one_plan_change_per_run(qserver, seed_c
             assert any(KITCHEN in line for line in choices["lines"]), choices["lines"]
             errs = [ch[b]["planned_error"] for b in OUTLIERS]
             assert last["summary"] == (f"last run: blocks {OUTLIERS[0]}-{OUTLIERS[-1]} → {KITCHEN}, "
-                                       f"{min(errs):.3f}-{max(errs):.3f} over {ch[OUTLIERS[0]]['target']:.3f}"), last
+                                       f"{min(errs):.3f}-{max(errs):.3f} over {ch[OUTLIERS[0]]['target']:.3f} "
+                                       f"→ {ch[OUTLIERS[0]]['error']:.3f}"), last
             # one safesage.quality event for this run, carrying what /safesage/stats holds
             assert len(sent) == 1, sent
             assert sent[0]["summary"] == last["summary"] and sent[0]["choices"] == choices, (sent[0], last)
+            # the outcome is the SafeSage node's own: ComfyUI's id of that node (h3_graph's "10")
+            assert sent[0]["node"] == last["node"] == "10" and set(last["nodes"]) == {"10"}, last
 
 
 def test_a_later_prompt_runs_the_remembered_choices_from_step_1_until_forgotten(qserver, seed_counter):

@@ -217,6 +217,10 @@ def test_a_later_prompt_on_the_same_model_runs_remembered_choices_from_step_1(sp
     q = stats()["quality"]
     assert q["probes"] == probes and q["recalled_blocks"] == NB, q
     assert last()["source"] == "remembered"
+    # the remembered run states the budget it decided under, the predicted cost and the speeds' provenance
+    assert last()["budget"] > 1.0 and last()["cost"]["budget"] is not None, last()
+    assert set(last()["speeds"]) == {"fake_sage", "fake_kitchen"} and "test" in last()["speeds"]["fake_kitchen"]
+    assert "errors remembered" in stats()["quality_last_run"]["summary"] and "budget" in stats()["quality_last_run"]["summary"]
     exact = [SDPA(*d) for d in data]
     for b in BENIGN:                                   # step 1 already runs the choice (fake_sage)
         assert rel(outs[0][b], exact[b]) < 0.02, b
