@@ -215,6 +215,8 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         except UnsupportedCall as e:
             run_stats.count("attention_calls")
             run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
+            if self._quality_on:        # handed on unread: it still counts in the call-order numbering
+                self.quality.count_call(kwargs.get("transformer_options"))
             return self._run_comfy(func, args, kwargs, None)
         if self._quality_on:
             self._quality_context(n, kwargs)
