@@ -155,17 +155,25 @@ class QualityGuard:
                            "transformer_options['sigmas']); it is off for such forwards")
             STATS.bump("forwards_without_step")
             return
-        new_step = st.last_sigma is None or s != st.last_sigma
-        if new_step:
-            st.step = self._step_of(st, s)
+        if st.last_sigma is None or s != st.last_sigma:
+            step = self._step_of(st, s)
             st.last_sigma = s
-            st.seen = set()
+            # a new step: another step number (an extra evaluation inside a step, e.g. DPM2's midpoint,
+            # keeps its step's); without a schedule every new sigma is one
+            if step != st.step or not st.schedule:
+                st.step = step
+                st.seen = set()
         st.mode = self._mode(st)
 
     def _step_of(self, st: RunState, sigma: float) -> int:
+        """The sampling step an evaluation at ``sigma`` belongs to: step i runs from the schedule's
+        (descending) sigma i-1 down to, not including, sigma i, so a sampler's extra evaluations between
+        two scheduled sigmas (DPM2's and DPM++ 2S's midpoints) count as their step's; an evaluation at a
+        scheduled sigma is the step that starts there (Heun's corrector at sigma i counts with step i+1, whose
+        first evaluation is at the same sigma). Float32 sigmas match the schedule to a relative 1e-4."""
         if st.schedule:
-            i = min(range(len(st.schedule)), key=lambda j: abs(st.schedule[j] - sigma))
-            return i + 1
+            at_or_above = sum(1 for s in st.schedule if s >= sigma * (1 - 1e-4) - 1e-12)
+            return min(max(at_or_above, 1), len(st.schedule))
         return st.step + 1
 
     def _mode(self, st: RunState) -> str:

@@ -11,8 +11,8 @@ b. attention calls handed on unread still count in the call-order numbering of b
    does not read;
 c. the step of a model evaluation comes from the schedule (``sample_sigmas``), not from counting
    sigma changes: a sampler's extra evaluations (DPM2's midpoints, Heun's corrector) shift neither
-   ``exact_steps`` nor the measured or reported step at the schedule's sigmas (a midpoint's own
-   step: strict xfails, open);
+   ``exact_steps`` nor the measured or reported step, and a midpoint between two scheduled sigmas
+   belongs to its own step (guard._step_of);
 d. a run that ended leaves nothing behind on its thread: calls after it run as planned, the next
    run measures again (also under the same run id), and a run whose start the guard did not see
    recalls nothing of the previous run's model;
@@ -368,15 +368,6 @@ def test_a_sigma_evaluated_twice_is_measured_once(fresh):
     assert _outliers_moved(fq, data, last)
 
 
-def _midpoints_bug(reason):
-    return pytest.mark.xfail(strict=True, reason=(
-        "guard._step_of maps a sigma to the nearest schedule sigma; a geometric midpoint (DPM2, DPM++ 2S, "
-        "DPM++ SDE) is always nearer the step's lower end, so step i's midpoint is numbered step i+1: " + reason
-        + " (issue 45 row 6, found by h-mutants; for issue 46)"))
-
-
-@_midpoints_bug("step 1's midpoint runs guarded and is measured, step 2 is measured again, step 4's midpoint "
-                "runs ComfyUI's own")
 def test_a_midpoint_evaluation_belongs_to_its_own_step_exact_steps(fresh):
     """``exact_steps`` 1 on a 5-step DPM2 run: both evaluations of step 1 run ComfyUI's own, step 2's
     (the first guarded step) are measured once, step 4's midpoint runs the moves like step 4."""
@@ -394,7 +385,6 @@ def test_a_midpoint_evaluation_belongs_to_its_own_step_exact_steps(fresh):
     assert _outliers_moved(fq, data, mid[3]) and _outliers_moved(fq, data, mid[4])
 
 
-@_midpoints_bug("the report step is measured at step 2's midpoint and again at step 3")
 def test_a_midpoint_evaluation_belongs_to_its_own_step_report_step(fresh):
     """``quality_probe_step`` 3 on a 5-step DPM2 run: the report step is measured once, at step 3."""
     data = make_blocks(NB, SEQ, OUTLIERS)
