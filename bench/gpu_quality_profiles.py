@@ -6,7 +6,10 @@ bench/gpu_quality.py's H3-shaped stack (56 heads x 128, bf16), its drift laid ou
 * ``majority``  blocks 20-49 drift (x16, then x32): most of the run's blocks;
 * ``gradual``   the factor rises block by block from 1 (block 10) to 32 (block 49), geometrically;
 * ``heads``     blocks 40-49, x32, in 4 of the 56 heads only;
-* ``keys``      blocks 40-49, x32, in the keys only (queries untouched).
+* ``keys``      blocks 40-49, x32, in the keys only (queries untouched);
+* ``majority_informative``  blocks 10-49 drift at :data:`INFORMATIVE_FACTOR` (x8): most of the run's
+  blocks, while the SDPA-only stack stays informative (final error under 0.1; ``majority``'s x16/x32
+  on 30 blocks puts it at 0.31). bench.quality_budget checks that bound on the GPU.
 
 Arms per profile and sage path, in one process: ``fp32`` (the reference: the same stack, attention in
 float32), ``sdpa_only`` (ComfyUI's own for every block), ``kitchen_only`` (comfy-kitchen int8_attention
@@ -36,11 +39,15 @@ import torch
 from bench.benchutil import emulate_sage_arch, emulated_runtime, env_info
 from bench.gpu_quality import DIM, HEADS, OUTLIER_CHANNELS, rel, timed
 
-PROFILES = ("default", "majority", "gradual", "heads", "keys")
+PROFILES = ("default", "majority", "gradual", "heads", "keys", "majority_informative")
+#: ``majority_informative``'s factor (module docstring)
+INFORMATIVE_FACTOR = 8
 
 
-def profile_blocks(name: str, blocks: int) -> list[dict]:
-    """Per block: ``factor`` (1: benign), ``heads`` (None: all) and ``keys_only``."""
+def profile_blocks(name: str, blocks: int, heads: int = HEADS, factor: float | None = None) -> list[dict]:
+    """Per block: ``factor`` (1: benign), ``heads`` (None: all) and ``keys_only``. ``heads``: the
+    stack's heads (the ``heads`` profile drifts 4 of them); ``factor``: ``majority_informative``'s, if
+    not :data:`INFORMATIVE_FACTOR`."""
     spec = [{"factor": 1, "heads": None, "keys_only": False} for _ in range(blocks)]
 
     def span(first, factors, **kw):
@@ -57,9 +64,11 @@ def profile_blocks(name: str, blocks: int) -> list[dict]:
         for j, i in enumerate(range(first, blocks)):
             spec[i]["factor"] = round(32 ** (j / max(blocks - 1 - first, 1)), 2)
     elif name == "heads":
-        span(blocks * 4 // 5, [32], heads=(0, 19, 37, 55))
+        span(blocks * 4 // 5, [32], heads=(0, 19, 37, 55) if heads == HEADS else (0, heads // 3, 2 * heads // 3, heads - 1))
     elif name == "keys":
         span(blocks * 4 // 5, [32], keys_only=True)
+    elif name == "majority_informative":
+        span(blocks // 5, [INFORMATIVE_FACTOR if factor is None else factor])
     else:
         raise SystemExit(f"unknown profile {name!r} (one of {', '.join(PROFILES)})")
     return spec
@@ -68,21 +77,22 @@ def profile_blocks(name: str, blocks: int) -> list[dict]:
 class ProfileStack:
     """gpu_quality.Stack's blocks with a profile's drift (see the module docstring)."""
 
-    def __init__(self, seed: int, spec: list[dict], dev, dt=torch.bfloat16):
+    def __init__(self, seed: int, spec: list[dict], dev, dt=torch.bfloat16, heads: int = HEADS, dim: int = DIM):
         g = torch.Generator(device="cpu").manual_seed(seed)
-        self.w = [[(torch.randn(DIM, DIM, generator=g) / DIM ** 0.5).to(dev, dt) for _ in range(3)] for _ in spec]
-        self.chan = [torch.randperm(DIM, generator=g)[:OUTLIER_CHANNELS].to(dev) for _ in spec]
+        self.heads, self.dim = heads, dim
+        self.w = [[(torch.randn(dim, dim, generator=g) / dim ** 0.5).to(dev, dt) for _ in range(3)] for _ in spec]
+        self.chan = [torch.randperm(dim, generator=g)[:OUTLIER_CHANNELS].to(dev) for _ in spec]
         self.spec = spec
 
     def qkv(self, i: int, x: torch.Tensor):
-        S = x.shape[1]
-        h = torch.nn.functional.rms_norm(x, (x.shape[-1],)).view(1, S, HEADS, DIM)
+        S, H, D = x.shape[1], self.heads, self.dim
+        h = torch.nn.functional.rms_norm(x, (x.shape[-1],)).view(1, S, H, D)
         q, k, v = (h @ w for w in self.w[i])
-        q, k = (torch.nn.functional.rms_norm(t, (DIM,)) for t in (q, k))
+        q, k = (torch.nn.functional.rms_norm(t, (D,)) for t in (q, k))
         s = self.spec[i]
         if s["factor"] != 1:
-            scale = torch.ones(HEADS, DIM, device=x.device, dtype=x.dtype)
-            for h in (s["heads"] if s["heads"] is not None else range(HEADS)):
+            scale = torch.ones(H, D, device=x.device, dtype=x.dtype)
+            for h in (s["heads"] if s["heads"] is not None else range(H)):
                 scale[h, self.chan[i]] = float(s["factor"])
             k = k * scale
             if not s["keys_only"]:

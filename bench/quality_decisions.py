@@ -17,7 +17,7 @@ import json
 import os
 
 from safe_ops.families import registry
-from safe_ops.quality import targets
+from safe_ops.quality import outcome, report, targets
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 #: profiles whose drift the gradual layout spreads over every block: a block counts as drifting
@@ -46,7 +46,7 @@ def _count(blocks: list[dict], choices: list, drifting) -> dict:
             "drifting_moved": sorted(b for b in drift if by[b].moved),
             "drifting_kept": sorted(b for b in drift if not by[b].moved),
             "moved_to": sorted({by[b].family for b in by if by[b].moved}),
-            "lines": targets.summary_lines(choices)}
+            "lines": outcome.lines([report.entry(c) for c in choices])}
 
 
 def profiles(path: str) -> dict:

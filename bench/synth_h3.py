@@ -24,15 +24,33 @@ changes the output. Deterministic from `--seed`: each tensor has its own generat
 (seed, crc32(name)); numbers differ between a CPU and a CUDA generator, so the device used is
 printed (`--device`, default cuda when available).
 
-    PYTHONPATH=/path/to/ComfyUI python -m bench.synth_h3 OUT.safetensors --blocks 2 --seed 0
+**Late-block drift** (synthetic; issue 46 goal 8): ``--drift-blocks N --drift-channels C
+--drift-factor F`` multiplies C gain channels of the attention's ``q_norm`` and ``k_norm`` (the RMSNorm
+weights applied to q and k, one per head dimension, shared by the heads) in each of the last N DiT
+blocks by F: a few outlier q/k channels, the mechanism seen on the real H3's late blocks. The
+channels are drawn per block from (seed, block) by Python's ``random`` (the same on every device);
+the same C channels in q_norm and k_norm, so their logit terms grow by F squared. Every other tensor
+is bit-identical to the undrifted checkpoint of the same seed and generator device.
 
-Prints one JSON line describing what was written. Never commit the output.
+Every checkpoint records its settings (blocks, seed, adaLN form, weights, dims, generator device, the
+drift or null) as JSON in its safetensors metadata under ``safesage_synth`` (:func:`read_settings`
+reads it back from the file's header, without torch); bench.repro records them in its JSON and keys
+its kept latents on them. ``--reuse`` keeps an existing OUT whose recorded settings are the ones asked
+for (a 50-block file takes ~25 s to write) and writes it again otherwise.
+
+    PYTHONPATH=/path/to/ComfyUI python -m bench.synth_h3 OUT.safetensors --blocks 2 --seed 0
+    PYTHONPATH=/path/to/ComfyUI python -m bench.synth_h3 /tmp/h3_50_drift.safetensors --blocks 50 \
+        --drift-blocks 8 --drift-channels 4 --drift-factor 16 --reuse
+
+Prints one JSON line describing what was written (or reused). Never commit the output.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
+import struct
 import sys
 import time
 import zlib
@@ -44,6 +62,9 @@ REAL = dict(
     token_refiner_num_layers=2,
 )
 QUANT_SUFFIXES = (".attn.qkv_proj", ".attn.out_proj", ".mlp.fc1", ".mlp.fc2")
+#: the safetensors metadata keys holding a checkpoint's settings and its info line (JSON)
+SETTINGS_KEY, INFO_KEY = "safesage_synth", "safesage_synth_info"
+DRIFT_NORMS = ("q_norm", "k_norm")
 
 
 def setup_comfy(root: str | None):
@@ -88,14 +109,76 @@ def _gen(name: str, seed: int, device):
     return g
 
 
+def drift_plan(blocks: int, head_dim: int, seed: int, drift_blocks: int, drift_channels: int,
+               drift_factor: float) -> dict | None:
+    """The late-block drift as recorded (None without one): the last ``drift_blocks`` DiT blocks, each
+    with its ``drift_channels`` gain channels of q_norm and k_norm (drawn from (seed, block), the same on
+    every device) multiplied by ``drift_factor``."""
+    if not drift_blocks:
+        return None
+    if not 0 < drift_blocks <= blocks:
+        raise ValueError(f"--drift-blocks {drift_blocks}: 1 to the {blocks} blocks")
+    if not 0 < drift_channels <= head_dim:
+        raise ValueError(f"--drift-channels {drift_channels}: 1 to the head dimension {head_dim}")
+    if not drift_factor > 0:
+        raise ValueError(f"--drift-factor {drift_factor}: a positive factor")
+    chans = {}
+    for b in range(blocks - drift_blocks, blocks):
+        rng = random.Random(seed * 1_000_003 + zlib.crc32(f"drift.blocks.{b}".encode()))
+        chans[str(b)] = sorted(rng.sample(range(head_dim), drift_channels))
+    return {"synthetic": True, "mechanism": "a few outlier q/k gain channels in late blocks (seen on the real H3)",
+            "norms": list(DRIFT_NORMS), "blocks": [int(b) for b in chans], "channels_per_block": drift_channels,
+            "factor": drift_factor, "channels": chans}
+
+
+def drifted_channels(name: str, drift: dict | None):
+    """The channels of tensor ``name`` the drift scales, or None."""
+    if drift is None or not name.startswith("blocks."):
+        return None
+    parts = name.split(".")       # blocks.<i>.attn.<q_norm|k_norm>.weight
+    if len(parts) == 5 and parts[2] == "attn" and parts[3] in drift["norms"] and parts[4] == "weight":
+        return drift["channels"].get(parts[1])
+    return None
+
+
+def _recorded(path: str, key: str) -> dict | None:
+    """The JSON a checkpoint of this module records under ``key`` in its safetensors metadata, read from
+    the file's header without torch; None for another file or one that cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                return None
+            header = json.loads(f.read(n))
+        return json.loads((header.get("__metadata__") or {})[key])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+        return None
+
+
+def read_settings(path: str) -> dict | None:
+    """What the checkpoint at ``path`` was made from (:func:`settings`; the drift under "drift"), or None."""
+    return _recorded(path, SETTINGS_KEY)
+
+
+def settings(blocks: int, seed: int, adaln: str, weights: str, generator_device: str, dims: dict | None,
+             drift: dict | None, curve_k: int = 64, curve_grid: int = 1001) -> dict:
+    """What a checkpoint is made from (its metadata; ``--reuse`` compares it)."""
+    return {"blocks": blocks, "seed": seed, "adaln": adaln, "curve_k": curve_k, "curve_grid": curve_grid,
+            "weights": weights, "generator_device": generator_device, "dims": "real" if dims is None else dims,
+            "drift": drift}
+
+
 def build(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 64, curve_grid: int = 1001,
-          device: str | None = None, dims: dict | None = None, weights: str = "fp8"):
-    """Return (state_dict on CPU, metadata, info). ``weights``: fp8 | int8 | bf16 block Linears."""
+          device: str | None = None, dims: dict | None = None, weights: str = "fp8", drift_blocks: int = 0,
+          drift_channels: int = 4, drift_factor: float = 16.0):
+    """Return (state_dict on CPU, metadata, info). ``weights``: fp8 | int8 | bf16 block Linears;
+    ``drift_*``: the late-block drift (:func:`drift_plan`; none with ``drift_blocks`` 0)."""
     import torch
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     shp, cfg = shapes(blocks, adaln, curve_k, curve_grid, dims)
+    drift = drift_plan(blocks, cfg["attention_head_dim"], seed, drift_blocks, drift_channels, drift_factor)
     sd, quant_layers = {}, {}
     for k, (shape, dtype) in shp.items():
         if k == "rope.inv_freq":
@@ -119,6 +202,9 @@ def build(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 6
             w = torch.randn(shape, generator=g, device=device, dtype=torch.float32) * 0.02
         else:  # norm weights
             w = torch.ones(shape, device=device, dtype=torch.float32)
+            chans = drifted_channels(k, drift)
+            if chans is not None:
+                w[chans] *= drift["factor"]
         layer = k[: -len(".weight")] if k.endswith(".weight") else None
         if (weights != "bf16" and layer is not None and w.dim() == 2 and layer.endswith(QUANT_SUFFIXES)
                 and layer.startswith(("blocks.", "token_refiner.blocks."))):
@@ -136,6 +222,7 @@ def build(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 6
             keep = torch.float32 if dtype == torch.float32 else torch.bfloat16
             sd[k] = w.to(keep).cpu().contiguous()
         del w
+    made = settings(blocks, seed, adaln, weights, str(device), dims, drift, curve_k, curve_grid)
     metadata = ({"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": quant_layers})}
                 if quant_layers else {})
     info = {
@@ -144,15 +231,38 @@ def build(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 6
         "generator_device": str(device), "quantized_layers": len(quant_layers),
         "hidden_size": cfg["hidden_size"], "heads": cfg["num_attention_heads"],
         "head_dim": cfg["attention_head_dim"], "ffn": cfg["ffn_hidden_size"], "text_dim": cfg["text_dim"],
+        "drift": drift,
     }
+    metadata.update({SETTINGS_KEY: json.dumps(made), INFO_KEY: json.dumps(info)})
     return sd, metadata, info
 
 
-def write(out: str, **kw) -> dict:
+def wanted(blocks: int = 2, seed: int = 0, adaln: str = "curve", curve_k: int = 64, curve_grid: int = 1001,
+           device: str | None = None, dims: dict | None = None, weights: str = "fp8", drift_blocks: int = 0,
+           drift_channels: int = 4, drift_factor: float = 16.0) -> dict:
+    """The settings :func:`build` records for these arguments, without building."""
+    if device is None:
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    drift = drift_plan(blocks, (dims or REAL)["attention_head_dim"], seed, drift_blocks, drift_channels,
+                       drift_factor)
+    return json.loads(json.dumps(settings(blocks, seed, adaln, weights, str(device), dims, drift, curve_k,
+                                          curve_grid)))
+
+
+def write(out: str, reuse: bool = False, **kw) -> dict:
+    """Write the checkpoint to ``out`` and return its info line; ``reuse``: keep an ``out`` made with
+    the same settings (its recorded info, ``reused`` true)."""
+    t0 = time.time()
+    if reuse and os.path.exists(out) and read_settings(out) == wanted(**kw):
+        info = _recorded(out, INFO_KEY)
+        if info is not None:
+            info.update(path=out, detected="MiniMaxH3", bytes=os.path.getsize(out), reused=True,
+                        seconds=round(time.time() - t0, 1))
+            return info
     import comfy.model_detection
     import safetensors.torch
 
-    t0 = time.time()
     sd, metadata, info = build(**kw)
     detected = comfy.model_detection.model_config_from_unet(sd, "", metadata=metadata)
     if detected is None or type(detected).__name__ != "MiniMaxH3":
@@ -177,6 +287,11 @@ def main(argv=None):
     ap.add_argument("--comfy", default=None, help="ComfyUI tree (default: $COMFYUI_PATH)")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny dims (hidden 256, 2x128 heads, ffn 512) for CPU smoke tests; not H3-sized")
+    ap.add_argument("--drift-blocks", type=int, default=0,
+                    help="synthetic late-block drift: scale q_norm/k_norm gain channels in the last N blocks (0: none)")
+    ap.add_argument("--drift-channels", type=int, default=4, help="channels scaled per drifting block")
+    ap.add_argument("--drift-factor", type=float, default=16.0, help="their factor")
+    ap.add_argument("--reuse", action="store_true", help="keep an existing OUT made with the same settings")
     a = ap.parse_args(argv)
     setup_comfy(a.comfy)
     import comfy.cli_args
@@ -187,7 +302,12 @@ def main(argv=None):
     if a.tiny:
         dims = dict(REAL, hidden_size=256, num_attention_heads=2, ffn_hidden_size=512, text_dim=5120,
                     time_embed_hidden_size=256, time_embed_dim=128)
-    info = write(a.out, blocks=a.blocks, seed=a.seed, adaln=a.adaln, device=a.device, dims=dims, weights=a.weights)
+    try:
+        info = write(a.out, reuse=a.reuse, blocks=a.blocks, seed=a.seed, adaln=a.adaln, device=a.device, dims=dims,
+                     weights=a.weights, drift_blocks=a.drift_blocks, drift_channels=a.drift_channels,
+                     drift_factor=a.drift_factor)
+    except ValueError as e:
+        ap.error(str(e))
     print(json.dumps(info))
 
 

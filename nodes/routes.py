@@ -3,6 +3,9 @@
 GET /safesage/stats -> safe_ops.ui.run_stats.snapshot() as JSON (process-wide counters: attention
 calls per plan kind, fallbacks with reasons, MLP patches and calls). 503 with
 {"error": ...} when safe_ops could not be imported, 500 when the snapshot itself fails.
+
+POST /safesage/quality/forget -> forgets every error the quality guard remembered per model
+(safe_ops/quality/memory.py): the next prompt measures its blocks again at step 1. {"forgotten": N}.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from . import _backend
 log = logging.getLogger("SafeSage")
 
 STATS_PATH = "/safesage/stats"
+FORGET_PATH = "/safesage/quality/forget"
 _registered = False
 
 
@@ -37,6 +41,22 @@ async def stats_handler(request):
         return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500, dumps=_dumps)
 
 
+async def forget_handler(request):
+    from aiohttp import web
+
+    try:
+        _backend.require()
+        from ..safe_ops.quality import memory
+        n = memory.forget()
+    except _backend.SafeSageUnavailable as e:
+        return web.json_response({"error": str(e)}, status=503, dumps=_dumps)
+    except Exception as e:
+        log.exception("SafeSage: %s failed", FORGET_PATH)
+        return web.json_response({"error": f"{type(e).__name__}: {e}"}, status=500, dumps=_dumps)
+    log.info("SafeSage: forgot %d remembered quality measurement(s) (%s)", n, FORGET_PATH)
+    return web.json_response({"forgotten": n}, dumps=_dumps)
+
+
 def register() -> bool:
     """Add the routes to the running PromptServer. False (and nothing done) when there is none,
     e.g. when the pack is imported by a script or a test rather than by a ComfyUI server."""
@@ -51,5 +71,6 @@ def register() -> bool:
         log.debug("SafeSage: no ComfyUI server instance; %s not registered", STATS_PATH)
         return False
     routes.get(STATS_PATH)(stats_handler)
+    routes.post(FORGET_PATH)(forget_handler)
     _registered = True
     return True

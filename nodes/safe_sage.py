@@ -58,14 +58,24 @@ TIP_VERIFY = (
     "off: no check."
 )
 TIP_QUALITY = (
-    "Holds each block's attention error to a target (MiniMax H3's last blocks drift on INT8 SageAttention: "
-    "morphing, garbled text). At the first sampling step SafeSage measures every block's error on 1,024 "
-    "sampled query rows against ComfyUI's own attention (about 0.2% of a 30-step run), and from step 2 a "
-    "block over its target runs the fastest kernel under it: SageAttention, comfy-kitchen INT8 attention, or "
-    "ComfyUI's own attention. The choices hold for the rest of the run; per block in /safesage/stats. "
-    "balanced: the target is 4.4x the median error of the kernel over the run's blocks (measured: normal "
-    "blocks stay under it, outlier blocks land above it). strict: 2x the median and at most 0.02. "
-    "faults only: no per-block measurement (crash and noise guards only)."
+    "How much attention speed SafeSage may trade for accuracy (MiniMax H3's late blocks drift on quantised "
+    "attention: morphing, garbled text). "
+    "balanced: with kernel 'auto', every call runs the kernel with the least error whose predicted attention "
+    "time is within 5% of the fastest one's, priced from SafeSage's speed table (on an RTX 50xx with "
+    "--use-sage-attention and comfy-kitchen 0.2.36+ that is comfy-kitchen's INT8 attention, published at "
+    "536 vs SageAttention's 560 TFLOP/s; where the table knows no second kernel, the fastest). At the first "
+    "sampling step each block's error is measured on 1,024 sampled query rows against ComfyUI's own attention; "
+    "from step 2 each block runs the least-error kernel within that budget, and a block whose error stands "
+    "out (over 4.4x the run's median, or over its kernel's ceiling) moves to a kernel under it whatever the "
+    "speed. The errors are remembered for the model: later prompts run the choices from step 1 and measure "
+    "nothing (a LoRA, another kernel build or another size measures again; POST /safesage/quality/forget "
+    "forgets). Measuring costs 0.46-0.53% of a 20-step prompt (4.6-5.3% of a 2-step one) in a ComfyUI that "
+    "has run a prompt before, 0.78% (7.8%) in its first prompt on the RTX 40xx path (an H100 at 38k tokens, "
+    "RTX dispatch emulated; the 50xx path's first prompt there, 13.6%, carried the H100's one-time compile of "
+    "the kernels, which an RTX card does not pay); a prompt with remembered errors is not timed on a GPU yet. "
+    "strict: a 50% budget; the target is 2x the median and at most 0.02. "
+    "faults only: nothing measured; the kernel policy's choice runs (crash and noise guards only). "
+    "Per block in /safesage/stats."
 )
 TIP_PROBE_STEP = (
     "Optional: measure the blocks once more at this sampling step (1-based) and report it in "
@@ -114,6 +124,7 @@ class SafeSageAttention(io.ComfyNode):
                 io.Int.Input("exact_steps", default=0, min=0, max=10000, tooltip=TIP_EXACT_STEPS, optional=True),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -146,7 +157,8 @@ class SafeSageAttention(io.ComfyNode):
             probe_step=int(quality_probe_step),
             exact_steps=int(exact_steps),
         )
-        patched, summary = apply_safesage(model, policy)
+        # this node's id (a subgraph node's path included): the quality outcome it shows is its own
+        patched, summary = apply_safesage(model, policy, node=getattr(getattr(cls, "hidden", None), "unique_id", None))
         if patched is model:
             # Postcondition: patches live on a clone, so the loader's cached model stays clean.
             raise RuntimeError("SafeSage internal error: safe_ops patched the input model in place instead of a clone.")

@@ -25,6 +25,7 @@ from .models.h3.mlp_patch import install_h3_mlp_patches
 from .policy import Policy
 from .attention.kernel_choice import explain_auto
 from .attention.move_order import describe as describe_moves
+from .attention.speed_budget import budget_line
 from .facts.devices import runtime
 from .families.registry import family_kind, installed_kernels
 from .ui.status import process_lines
@@ -73,14 +74,20 @@ def _forward_start(args: tuple, kwargs: dict) -> None:
     att = to.get(OVERRIDE_KEY) if isinstance(to, dict) else None
     # only where a guarded kernel may run: a model whose every call is ComfyUI's own pays no host read
     if isinstance(att, SafeAttention) and att.quality.active and att.may_guard:
-        att.quality.forward_start(to)
+        att.quality.forward_start(to, att.kernel_sites())
 
 
 @contain.boundary
 def _run_wrapper(executor, *args, **kwargs):
     """OUTER_SAMPLE wrapper: the sampling run ends here (also when it raised), so under ComfyUI's
     allocation compiler the next run chooses its plans and chunk sizes again. (A containment
-    boundary: an error of SafeSage's in marking the run's end is counted and logged, never raised.)"""
+    boundary: an error of SafeSage's in marking the run's end is counted and logged, never raised.)
+    It also tells the quality guard which model the run samples (ComfyUI's CFGGuider is the executor's
+    ``class_obj``; its ``model_patcher``): what it measured is remembered for that model (quality/memory.py)."""
+    try:
+        quality_guard.run_started(getattr(getattr(executor, "class_obj", None), "model_patcher", None))
+    except Exception as e:  # noqa: BLE001 - see contain.py
+        contain.internal_error(e, "the quality guard's run start", "this run's errors are not remembered")
     try:
         return executor(*args, **kwargs)
     finally:
@@ -145,6 +152,11 @@ def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
         else:
             head = f"quality: {policy.quality}: {describe_moves(order)}"
         head += f"; blocks told apart by {'the H3 block index' if blocks else 'block_index, else call order'}"
+    if policy.quality != "faults only":
+        head += "; " + budget_line(policy.quality, policy.kernel, attn.rt.arch_name, attn.rt.device_name,
+                                   [f for f in attn.kernels if f != "sdpa"], (attn.candidates(None) or [None])[0])
+        head += ("; errors are remembered per model: a later prompt runs the choices from step 1 "
+                 "(a LoRA, another kernel build or size measures again)")
     if policy.probe_step:
         head += f"; also measured (report only) at step {policy.probe_step}"
     if policy.exact_steps:
@@ -156,8 +168,10 @@ def _quality_line(policy: Policy, attn: SafeAttention, blocks: int) -> str:
 WRAPPERS = {"APPLY_MODEL": _forward_wrapper, "OUTER_SAMPLE": _run_wrapper}
 
 
-def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, dict]:
-    """Return a patched clone of ``model_patcher`` and a summary (``summary["text"]`` for humans)."""
+def apply_safesage(model_patcher: Any, policy: Policy = Policy(), node: str | None = None) -> tuple[Any, dict]:
+    """Return a patched clone of ``model_patcher`` and a summary (``summary["text"]`` for humans).
+    ``node``: ComfyUI's id of the SafeSage node (a subgraph node's path, e.g. ``"7:3"``), under which
+    the quality guard publishes its outcome (quality/report.py); None outside a node."""
     rt = runtime()
     lines = [f"SafeSage: {rt.summary()}"]
     warnings: list[str] = []
@@ -175,6 +189,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
         prev = prev.previous
     layer_fns, layer_lines = layer_attention_functions(_diffusion_model(m))
     attn = SafeAttention(policy, rt=rt, previous=prev, layer_functions=layer_fns)
+    attn.quality.node = None if node is None else str(node)
     to[OVERRIDE_KEY] = attn
     if prev is not None:
         kind = attn.previous_kind
@@ -186,6 +201,7 @@ def apply_safesage(model_patcher: Any, policy: Policy = Policy()) -> tuple[Any, 
     if attn.quality.active:
         try:
             nb = install_block_index(m, _diffusion_model(m))
+            attn.quality.base_marked = nb > 0
         except Exception as e:  # noqa: BLE001 - see contain.py
             contain.internal_error(e, "installing the H3 block index", "blocks are told apart by call order")
             nb = 0

@@ -3,9 +3,10 @@
 //    patches, warnings), and the report of SafeSagePreflight, in a read-only box on the node
 //    after it runs.
 //  - At a sampling run's end the server sends "safesage.quality" (the quality guard's per-block
-//    outcome, safe_ops/quality/guard.py); its one-line summary ("last run: blocks 4-5 -> ...") is
-//    appended under the status on every SafeSage Attention node, replacing the previous such line
-//    only (the node itself does not run again while ComfyUI has its output cached).
+//    outcome, safe_ops/quality/report.py), one per SafeSage node that ran; its one-line summary
+//    ("last run: blocks 4-5 -> ...") is appended under the status of that node (its ``node``: the
+//    node's id, a path of ids for a node inside a subgraph), replacing the previous such line only
+//    (the node itself does not run again while ComfyUI has its output cached).
 //  - The run statistics panel: a "SafeSage" tab in the sidebar (a bottom-panel tab on a frontend
 //    without sidebar tabs, a floating panel on one without either) with GET /safesage/stats as
 //    tables -- attention calls by plan, fallbacks with reasons, kernels switched off, the H3 MLP's
@@ -26,6 +27,10 @@ const STATS_URL = "/safesage/stats";
 const TAB_ID = "safesage-stats";
 const TAB_TITLE = "SafeSage";
 const TAB_TOOLTIP = "SafeSage run statistics";
+// the step-1 measurement's cost as measured (bench/results/quality_guard_cost_38k_h100.json, an H100 with
+// the RTX dispatch emulated, 38k tokens); the node's quality tooltip says the same
+const PROBE_COST = "Measuring (step 1 of a model's first prompt) cost 0.46-0.53% of a 20-step prompt, "
+  + "4.6-5.3% of a 2-step one, after a ComfyUI's first prompt (H100, RTX paths emulated, 38k tokens).";
 
 function statusWidget(node) {
   let w = node.widgets?.find((x) => x.name === STATUS);
@@ -90,9 +95,32 @@ function onQuality(event) {
   }
   const line = detail?.summary;
   if (typeof line !== "string" || !line) return;
-  const nodes = (app.graph?._nodes ?? app.graph?.nodes ?? []).filter((n) => n.type === NODE_TYPE);
-  nodes.forEach((n) => showLastRun(n, line));
+  nodesOfOutcome(detail.node).forEach((n) => showLastRun(n, line));
   console.info("[SafeSage] quality guard,", line);
+}
+
+function graphNodes(graph) {
+  return graph?._nodes ?? graph?.nodes ?? [];
+}
+
+function nodeIn(graph, id) {
+  return graph?.getNodeById?.(id) ?? graphNodes(graph).find((n) => String(n.id) === String(id)) ?? null;
+}
+
+// The node a quality outcome belongs to: its ``node`` is ComfyUI's id of the SafeSage node that ran,
+// for a node inside a subgraph the path of ids through the subgraph nodes ("7:3": node 3 inside the
+// subgraph of node 7). An outcome without one (a server before per-node reports, SafeSage run without
+// a node) is shown on every SafeSage Attention node of the root graph, as before.
+function nodesOfOutcome(id) {
+  if (typeof id !== "string" || !id) return graphNodes(app.graph).filter((n) => n.type === NODE_TYPE);
+  let graph = app.graph;
+  let node = null;
+  for (const part of id.split(":")) {
+    node = nodeIn(graph, part);
+    if (!node) return [];
+    graph = node.subgraph;
+  }
+  return node.type === NODE_TYPE ? [node] : [];
 }
 
 function textOf(message) {
@@ -294,11 +322,21 @@ function qualitySection(d) {
   const q = d.quality_last_run ?? panel.quality;
   const out = [h("h3", null, "Quality guard: last run")];
   const blocks = q?.choices?.blocks;
+  // every SafeSage node's own last run (two nodes, or nodes inside subgraphs), the latest first below
+  const others = Object.values(q?.nodes ?? {}).filter((r) => r?.summary && r.node !== q.node);
+  const nodeRows = others.length
+    ? [table("quality-nodes", ["node", "last run"],
+      [[q.node || "-", q.summary ?? ""], ...others.map((r) => [r.node || "-", r.summary])])]
+    : [];
   if (!Array.isArray(blocks) || !blocks.length) {
-    out.push(none("no run measured yet (quality is 'faults only', or no sampling run since ComfyUI started)"));
+    // a run that measured nothing says so (its summary); before any run, nothing to show
+    out.push(q?.summary ? h("div", { className: "ss-summary", "data-safesage": "quality-summary" }, q.summary)
+      : none("no run measured yet (quality is 'faults only', or no sampling run since ComfyUI started)"));
+    out.push(...nodeRows);
     return out;
   }
   if (q.summary) out.push(h("div", { className: "ss-summary", "data-safesage": "quality-summary" }, q.summary));
+  out.push(...nodeRows);
   // one row per block; its "why" on a row of its own under it (the sidebar is narrow)
   const head = ["block", "planned", "error", "target", "runs now"];
   const numeric = [0, 2, 3];
@@ -319,6 +357,24 @@ function qualitySection(d) {
     h("thead", null, h("tr", null, head.map((c, i) => h("th", { className: numeric.includes(i) ? "ss-num" : null }, c)))),
     h("tbody", null, body)));
   if (q.choices.quality) out.push(h("div", { className: "ss-muted" }, `quality: ${q.choices.quality}`));
+  // the speed budget, the choices' predicted attention time and where each kernel's speed comes from
+  const c = q.choices.cost ?? {};
+  if (num(q.choices.budget) > 1) {
+    out.push(h("div", { className: "ss-muted", "data-safesage": "quality-budget" },
+      `speed budget ${num(q.choices.budget).toFixed(2)}x; predicted attention time ` +
+      (c.budget != null ? `${num(c.budget).toFixed(2)}x` : "unknown") +
+      (c.safety != null ? `, blocks over target ${num(c.safety).toFixed(2)}x (${c.safety_blocks})` : "") +
+      (num(c.unknown) ? `, ${num(c.unknown)} block(s) of unknown speed` : "") +
+      (q.choices.source ? `; errors ${q.choices.source === "remembered" ? "remembered from an earlier prompt" : q.choices.source}` : "")));
+    for (const src of Object.values(q.choices.speeds ?? {})) {
+      out.push(h("div", { className: "ss-muted", "data-safesage": "quality-speed" }, `speed: ${src}`));
+    }
+  }
+  // what measuring costs (bench/results/quality_guard_cost_38k_h100.json; no live timing: that would sync the GPU)
+  out.push(h("div", { className: "ss-muted", "data-safesage": "quality-cost" },
+    (q.choices.source === "remembered"
+      ? "this run measured nothing: its errors were remembered from an earlier prompt on this model. "
+      : "") + PROBE_COST));
   const later = q.later;
   if (Array.isArray(later?.blocks) && later.blocks.length) {
     out.push(h("div", { className: "ss-muted", "data-safesage": "quality-later" },

@@ -31,6 +31,13 @@ ARMS = {
     "safesage_blocking": {"flags": ["--use-sage-attention"], "env": {"CUDA_LAUNCH_BLOCKING": "1"}, "safesage": {}},
     "safesage_nodyn": {"flags": ["--use-sage-attention", "--disable-dynamic-vram"], "env": {}, "safesage": {}},
     "safesage_pytorch": {"flags": [], "env": {}, "safesage": {}},
+    # single-kernel arms (issue 46 goal 8), unguarded: comfy-kitchen's int8_attention as ComfyUI's own
+    # attention (--use-ck-attention: ComfyUI 783545f6 and later; on a tree without the flag, 0dd9b154 among
+    # them, the row is skipped, worker.missing_flags), and sage 2.2's int8-QK + fp16-PV kernel alone
+    # (sage2_sm80: sageattn dispatching as on sm_80 through the probe pack's start-up hook, whatever the
+    # run's --emulate-arch)
+    "ck": {"flags": ["--use-ck-attention"], "env": {}, "safesage": None},
+    "sage_sm80": {"flags": ["--use-sage-attention"], "env": {"SAFESAGE_REPRO_EMULATE_ARCH": "sm80"}, "safesage": None},
 }
 DEFAULT_ARMS = ["pytorch", "sage", "safesage", "safesage_sage", "sage_blocking", "sage_nodyn"]
 # guarded arm -> the same configuration without SafeSage
@@ -49,6 +56,8 @@ ARM_LABEL = {
     "safesage_blocking": "SafeSageAttention + CUDA_LAUNCH_BLOCKING=1",
     "safesage_nodyn": "SafeSageAttention + --disable-dynamic-vram",
     "safesage_pytorch": "SafeSageAttention, no --use-sage-attention (PyTorch attention)",
+    "ck": "--use-ck-attention (comfy-kitchen int8_attention only, unguarded; ComfyUI 783545f6 and later)",
+    "sage_sm80": "--use-sage-attention, sageattn dispatching as on sm_80 (sage2_sm80 only, unguarded)",
 }
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from .. import synth_h3
 from . import arms, logs, worker
 
 
@@ -77,15 +78,22 @@ def _latent_store(a, doc) -> dict:
     os.makedirs(a.keep_latents, exist_ok=True)
     st = os.stat(a.ckpt)
     key = {"ckpt": os.path.abspath(a.ckpt), "ckpt_bytes": st.st_size, "ckpt_mtime": int(st.st_mtime),
+           "ckpt_settings": synth_h3.read_settings(a.ckpt),       # a synthetic checkpoint's seed, drift, ...
            "steps": a.steps, "seed": a.seed, "emulate_arch": a.emulate_arch, "cpu": a.cpu}
     keep_store(a.keep_latents, key)
     found = {}
     for n in sorted(os.listdir(a.keep_latents)):
-        size, _, arm = n[:-3].partition("_")
-        if n.endswith(".pt") and arms.is_size(size) and arm in arms.ARMS:
-            found[(size, arm)] = os.path.join(a.keep_latents, n)
-    doc["earlier_latents"] = sorted(f"{s}:{r}" for s, r in found)
+        size, _, rest = n[:-3].partition("_")
+        arm, _, prompt = rest.partition(".p")
+        if n.endswith(".pt") and arms.is_size(size) and arm in arms.ARMS and (not prompt or prompt.isdigit()):
+            found[(size, arm, int(prompt or 1))] = os.path.join(a.keep_latents, n)
+    doc["earlier_latents"] = sorted(f"{s}:{r}" + (f":p{p}" if p > 1 else "") for s, r, p in found)
     return found
+
+
+def kept_name(size: str, arm: str, prompt: int = 1) -> str:
+    """A kept latent's file name (:func:`_latent_store` reads it back)."""
+    return f"{size}_{arm}" + (f".p{prompt}" if prompt > 1 else "") + ".pt"
 
 
 def compare(runs, size, latents, refs) -> None:
@@ -104,6 +112,26 @@ def compare(runs, size, latents, refs) -> None:
         if u is not None and (size, u) in latents:
             r["unguarded_arm"] = u
             r["rel_l2_vs_unguarded"] = rel_l2(flat(cur), flat(latents[(size, u)]))
+
+
+def compare_later(runs, size, later) -> None:
+    """Fill rel. L2 on each later prompt of the rows of ``size`` (``later``: {(size, arm, prompt):
+    latent}): against the same prompt of the PyTorch arm and of the row's own unguarded arm, which ran
+    the same seeds."""
+    for r in runs:
+        if r["size"] != size:
+            continue
+        for p in (r.get("worker") or {}).get("later_prompts") or []:
+            cur = later.get((size, r["arm"], p["prompt"]))
+            if cur is None:
+                continue
+            ref = later.get((size, "pytorch", p["prompt"]))
+            if ref is not None and "rel_l2_vs_pytorch" not in p:
+                p["rel_l2_vs_pytorch"] = rel_l2(flat(cur), flat(ref))
+            u = arms.UNGUARDED.get(r["arm"])
+            if u is not None and (size, u, p["prompt"]) in later and "rel_l2_vs_unguarded" not in p:
+                p["unguarded_arm"] = u
+                p["rel_l2_vs_unguarded"] = rel_l2(flat(cur), flat(later[(size, u, p["prompt"])]))
 
 
 def driver(a, argv=()) -> dict:
@@ -126,6 +154,8 @@ def driver(a, argv=()) -> dict:
     if a.synth_info and os.path.exists(a.synth_info):
         with open(a.synth_info) as f:
             doc["checkpoint"] = json.loads(f.read().strip().splitlines()[-1])
+    # what a bench.synth_h3 checkpoint records of itself (its seed, dims, the synthetic drift): None otherwise
+    doc["checkpoint_settings"] = synth_h3.read_settings(a.ckpt)
 
     def save():
         doc["elapsed_s"] = round(time.time() - t_begin, 1)
@@ -141,8 +171,11 @@ def driver(a, argv=()) -> dict:
         ballast = Ballast(a.ballast_free_gib, os.path.join(work, "ballast.log"))
         doc["ballast"] = {"held_gib": round(ballast.bytes / 2 ** 30, 2), "total_gib": round(ballast.total / 2 ** 30, 2)}
     save()
-    refs, latents = {}, {}   # (size, arm) -> sampled latent
-    for (size, arm), path in _latent_store(a, doc).items():
+    refs, latents, later = {}, {}, {}   # (size, arm) -> sampled latent; later prompts: (size, arm, prompt)
+    for (size, arm, prompt), path in _latent_store(a, doc).items():
+        if prompt > 1:
+            later[(size, arm, prompt)] = torch.load(path)
+            continue
         latents[(size, arm)] = torch.load(path)
         if arm == "pytorch":
             refs[size] = latents[(size, arm)]
@@ -170,13 +203,22 @@ def driver(a, argv=()) -> dict:
             if lat:
                 latents[(size, arm)] = torch.load(lat)
                 if a.keep_latents:
-                    os.replace(lat, os.path.join(a.keep_latents, f"{size}_{arm}.pt"))
+                    os.replace(lat, os.path.join(a.keep_latents, kept_name(size, arm)))
                 else:
                     os.remove(lat)
                 if arm == "pytorch":
                     refs[size] = latents[(size, arm)]
+            for p in run["worker"].get("later_prompts") or []:
+                path = p.pop("latent", None)
+                if path and os.path.exists(path):
+                    later[(size, arm, p["prompt"])] = torch.load(path)
+                    if a.keep_latents:
+                        os.replace(path, os.path.join(a.keep_latents, kept_name(size, arm, p["prompt"])))
+                    else:
+                        os.remove(path)
             doc["runs"].append(run)
             compare(doc["runs"], size, latents, refs)
+            compare_later(doc["runs"], size, later)
             save()
             if len(doc["runs"]) == 1 and run["outcome"] != "completed" and a.fail_fast:
                 doc["aborted"] = "first arm did not complete: setup problem, nothing else run"

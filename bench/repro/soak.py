@@ -19,6 +19,7 @@ import shlex
 import sys
 import time
 
+from .. import synth_h3
 from . import arms, replans, workflow
 from .worker import make_server
 
@@ -139,6 +140,7 @@ def main(a, argv) -> dict:
     if a.synth_info:
         with open(a.synth_info) as f:
             doc["synth"] = json.loads(f.read().strip().splitlines()[-1])
+    doc["checkpoint_settings"] = synth_h3.read_settings(a.ckpt)     # a synthetic checkpoint's seed, drift, ...
     if a.out:
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=1, default=str)

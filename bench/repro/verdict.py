@@ -5,6 +5,7 @@ called silently wrong when its rel. L2 passes WRONG_FACTOR x the in-limit error 
 checkpoint. Reads the committed bench/results/repro_*.json as the driver writes them."""
 from __future__ import annotations
 
+import json
 import re
 
 from .arms import ARM_LABEL, ARMS, SIZES
@@ -26,12 +27,14 @@ WRONG_FACTOR = 2.0   # a completed row is "silently wrong" above this many times
 
 
 def _run_identity(doc) -> tuple:
-    """What makes two driver runs' latents comparable: the checkpoint, steps, seed and emulated arch."""
+    """What makes two driver runs' latents comparable: the checkpoint (a synthetic drift included: the
+    same bytes either way), steps, seed and emulated arch."""
     ck = doc.get("checkpoint") or {}
     cmd = doc.get("command", "").split()
     arch = cmd[cmd.index("--emulate-arch") + 1] if "--emulate-arch" in cmd else None
+    drift = (doc.get("checkpoint_settings") or {}).get("drift") or ck.get("drift")
     return (ck.get("bytes") or doc.get("ckpt"), ck.get("blocks"), ck.get("weights", "fp8"),
-            doc.get("steps"), doc.get("seed"), arch)
+            json.dumps(drift, sort_keys=True), doc.get("steps"), doc.get("seed"), arch)
 
 
 def in_limit_error(docs, doc):

@@ -77,8 +77,8 @@ def make_server(*, comfy, ckpt, arm, tag, work, cpu=False, debug=False, emulate_
             files[key].unlink()
     flags = arms.comfy_flags(arm, cpu, extra_flags) + (["--verbose", "DEBUG"] if debug else [])
     env = dict(arms.ARMS[arm]["env"], SAFESAGE_REPRO_PROBE_OUT=str(files["probe"]))
-    if emulate_arch:
-        env["SAFESAGE_REPRO_EMULATE_ARCH"] = emulate_arch
+    if emulate_arch:            # an arm's own emulated arch (sage_sm80) wins over the run's
+        env.setdefault("SAFESAGE_REPRO_EMULATE_ARCH", emulate_arch)
     python = python or sys.executable
     av_stub = not _imports(python, "av")   # the GPU box: ComfyUI's node API imports av at start-up
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE / "av_stub") if av_stub else None,
@@ -101,27 +101,54 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def later_prompts(server, graph_of, n: int, probe_out: Path, timeout: float) -> list[dict]:
+def later_prompts(server, graph_of, n: int, probe_out: Path, timeout: float, latent_of=None,
+                  quality=None) -> list[dict]:
     """Prompts 2..n of a row, in the same server after the first completed: each with its own noise
-    seed (so ComfyUI's cache re-runs the sampler) and no latent saved. Per prompt: its outcome and the
-    probe's step times -- a later prompt's first step carries a new run's quality measurement without
-    the server's one-time costs (module loads, kernels' first launch and JIT), which the first
-    prompt's carries."""
+    and conditioning seeds (so ComfyUI's cache re-runs the sampler; every arm runs the same seeds, so
+    prompt i of one arm compares with prompt i of another). ``graph_of(i, latent_path)``: prompt i+1's
+    graph; ``latent_of(i)``: where it saves its latent (None: not saved); ``quality()``: the SafeSage
+    quality guard's state after a prompt (guarded rows). Per prompt: its outcome, the probe's step
+    times -- a later prompt's first step carries a new run's quality measurement (or none, where the
+    guard remembers an earlier one) without the server's one-time costs (module loads, kernels' first
+    launch and JIT), which the first prompt's carries -- its latent's path and the guard's state."""
     out = []
     for i in range(1, n):
         t0 = time.time()
+        latent = latent_of(i) if latent_of is not None else None
+        if latent is not None and latent.exists():
+            latent.unlink()
         try:
-            entry = server.queue_and_wait(graph_of(i), timeout)
+            entry = server.queue_and_wait(graph_of(i, str(latent) if latent is not None else ""), timeout)
         except Exception as e:  # noqa: BLE001 - recorded; the row's own outcome is the first prompt's
             out.append({"prompt": i + 1, "outcome": f"{type(e).__name__}: {e}"[:200]})
             break
         rec = _read_json(probe_out)
         ok = entry["status"]["status_str"] == "success"
-        out.append({"prompt": i + 1, "outcome": "completed" if ok else "error", "wall_s": round(time.time() - t0, 1),
-                    "s_per_step": rec.get("s_per_step")})
+        p = {"prompt": i + 1, "outcome": "completed" if ok else "error", "wall_s": round(time.time() - t0, 1),
+             "s_per_step": rec.get("s_per_step")}
+        if ok and latent is not None and latent.exists():
+            p["latent"] = str(latent)
+        if quality is not None:
+            p["safesage_quality"] = quality()
+        out.append(p)
         if not ok:
             break
     return out
+
+
+def prompt_latent(latent: Path, prompt: int) -> Path:
+    """Where prompt ``prompt`` (2 on) of a row saves its latent, beside the first prompt's."""
+    return latent.with_name(f"{latent.stem}.p{prompt}{latent.suffix}")
+
+
+def missing_flags(comfy, flags) -> list[str]:
+    """The ``--`` flags this ComfyUI tree's comfy/cli_args.py does not define (e.g. --use-ck-attention
+    before 783545f6); none when the file cannot be read (ComfyUI itself then says)."""
+    try:
+        text = (Path(comfy) / "comfy" / "cli_args.py").read_text(errors="replace")
+    except OSError:
+        return []
+    return [f for f in flags if f.startswith("--") and f'"{f}"' not in text]
 
 
 def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=False, emulate_arch=None,
@@ -132,12 +159,20 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     first prompt completes, the same graph runs again that many times in all (:func:`later_prompts`,
     ``worker["later_prompts"]``); everything else in the row is the first prompt's.
 
-    rc: 0 completed; "execution_error" (ComfyUI reported the error and lived on); "timeout"; else the
-    server's exit status (negative: the signal that ended it)."""
+    rc: 0 completed; "execution_error" (ComfyUI reported the error and lived on); "timeout";
+    "unsupported" (this ComfyUI tree has no flag the arm needs, e.g. --use-ck-attention: not started); else
+    the server's exit status (negative: the signal that ended it)."""
     cp = comfy_process()
     width, height, length, text_len = arms.parse_size(size)
     guarded = arms.ARMS[arm]["safesage"] is not None
     tag = f"{size}_{arm}"
+    missing = missing_flags(comfy, arms.comfy_flags(arm, cpu, extra_flags))
+    if missing:
+        return {"rc": "unsupported", "wall_s": 0.0, "command": "", "latent": None,
+                "log": str(Path(work).resolve() / f"{tag}.log"),
+                "worker": {"phase": "not started", "arm": arm, "size": size},
+                "error": f"this ComfyUI tree ({comfy}) has no {', '.join(missing)} (its comfy/cli_args.py)",
+                "outcome": f"skipped: this ComfyUI has no {', '.join(missing)}"}
     server, files, av_stub = make_server(comfy=comfy, ckpt=ckpt, arm=arm, tag=tag, work=work, cpu=cpu, debug=debug,
                                          emulate_arch=emulate_arch, python=python, extra_flags=extra_flags)
     probe_out, latent, log, base = files["probe"], files["latent"], files["log"], files["base"]
@@ -175,9 +210,14 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     first = None
     if entry is not None and prompts > 1 and entry["status"]["status_str"] == "success":
         first = _read_json(probe_out)           # the probe's record of prompt 1, before later ones rewrite it
+        quality = (lambda: _quality(server)) if guarded else None
+        if quality is not None:
+            w["safesage_quality_first_prompt"] = quality()
         w["later_prompts"] = later_prompts(
-            server, lambda i: workflow.row_graph(unet, width, height, length, text_len, steps, seed + 1000 * i, "",
-                                                 inputs), prompts, probe_out, max(1.0, timeout - (time.time() - t0)))
+            server, lambda i, path: workflow.row_graph(unet, width, height, length, text_len, steps, seed + 1000 * i,
+                                                       path, inputs),
+            prompts, probe_out, max(1.0, timeout - (time.time() - t0)),
+            latent_of=lambda i: prompt_latent(latent, i + 1), quality=quality)
     if entry is not None:
         err = cp.execution_error(entry)
         row["rc"] = 0 if entry["status"]["status_str"] == "success" else "execution_error"
@@ -216,6 +256,15 @@ def run_row(*, comfy, ckpt, arm, size, work, steps=2, seed=77, cpu=False, debug=
     if not os.environ.get("SAFESAGE_REPRO_KEEP_BASE"):
         shutil.rmtree(base, ignore_errors=True)
     return row
+
+
+def _quality(server) -> dict:
+    """The quality guard's counters and last run from /safesage/stats now (one prompt's, between prompts)."""
+    try:
+        rep = server.get_json("/safesage/stats")
+    except Exception as e:  # noqa: BLE001 - evidence only
+        return {"stats_error": repr(e)}
+    return {k: rep.get(k) for k in ("quality", "quality_last_run")}
 
 
 def outcome(rc, w: dict, timeout: float) -> str:

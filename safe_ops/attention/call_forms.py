@@ -20,6 +20,12 @@ import torch
 from ..families.envelope import ALIGN_CAP, TensorDesc, byte_alignment
 
 
+#: transformer_options: the index of the base model's block running now, None between blocks (set by
+#: quality/blocks.py around each H3 block SafeSage marks); a call under another index, or None, is
+#: another tower's (the quality guard neither measures nor moves it)
+BASE_KEY = "safesage_base_block"
+
+
 def dtype_name(dt: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (how envelopes name dtypes)."""
     return str(dt).replace("torch.", "")

@@ -31,9 +31,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .call_forms import call_arguments
+from .call_forms import BASE_KEY, call_arguments
 
 OP_NAME = "safesage::attention"
+#: ``block_index`` of a call that is not the base model's own block's (quality/blocks.py BASE_KEY)
+OTHER_TOWER = -2
 STATE_MODULE = "safesage_opaque_op_state"      # the process-wide registry and op
 
 
@@ -53,6 +55,8 @@ def _body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, skip_re
         kwargs["enable_gqa"] = True
     if block_index >= 0:
         kwargs["transformer_options"] = {"block_index": block_index}
+    elif block_index == OTHER_TOWER:          # not the base model's block (quality/blocks.py): not measured
+        kwargs["transformer_options"] = {BASE_KEY: None}
     att = att_ref()
     if att is not None:
         out = att(func, q, k, v, heads, **kwargs)
@@ -131,6 +135,7 @@ def read_call(args: tuple, kwargs: dict) -> tuple | None:
     scale = get("scale")
     to = get("transformer_options")
     bi = to.get("block_index") if isinstance(to, dict) else None
+    other = isinstance(to, dict) and BASE_KEY in to and (to[BASE_KEY] is None or to[BASE_KEY] != bi)
     T = torch.Tensor
     if (len(args) > 8 or mask is not None or get("low_precision_attention", True) is False
             or not (isinstance(q, T) and isinstance(k, T) and isinstance(v, T))
@@ -151,7 +156,7 @@ def read_call(args: tuple, kwargs: dict) -> tuple | None:
         if d == 0 or k.shape[2] % d:
             return None
     return (q, k, v, heads, skip_reshape, skip_out, None if scale is None else float(scale), True,
-            -1 if bi is None else bi, bool(get("enable_gqa", False)), prec)
+            OTHER_TOWER if other else (-1 if bi is None else bi), bool(get("enable_gqa", False)), prec)
 
 
 def call(att_key: int, func: Callable, c: tuple) -> torch.Tensor:

@@ -24,6 +24,7 @@ from ..facts import compiler
 from .. import contain
 from ..ui import run_stats
 from .handoff import ComfyCalls
+from .speed_budget import BudgetChoice
 from .plans import PlanChoice, Prepared
 from .special_calls import INSIDE, INSIDE_KW, ContextCalls, capturing, torch_is_compiling, unwrap_attn
 from ..facts.budget import BudgetReader
@@ -48,7 +49,7 @@ log = logging.getLogger("SafeSage")
 HAND_ON = object()
 
 
-class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
+class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
     """Callable installed as ``transformer_options["optimized_attention_override"]``.
 
     ``previous``: an override that was already on the model (another pack's, core's
@@ -257,8 +258,10 @@ class SafeAttention(PlanChoice, ContextCalls, ComfyCalls):
         c["attention_calls"] = c.get("attention_calls", 0) + 1
         plan = p.plan if p.fixed else self._within_budget(p)
         st = n.run
-        if st is not None and st.mode in (quality_guard.CHOSEN, quality_guard.EXACT, quality_guard.REPORT):
-            plan = self._quality_plan(p, plan, st, n)   # the report step runs the choices too
+        if st is not None and (st.mode in (quality_guard.CHOSEN, quality_guard.EXACT, quality_guard.REPORT) or (
+                st.mode is quality_guard.PROBE and self.quality.recalled(self, st, n.block, p, func))):
+            # the report step runs the choices too; at the measured step, a block an earlier prompt measured
+            plan = self._quality_plan(p, plan, st, n)
             if plan is None:
                 return None             # ComfyUI's own attention, as the quality guard chose
         ck = p.count_key if plan is p.plan else f"plan:{plan.kind}"

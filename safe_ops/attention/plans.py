@@ -44,7 +44,8 @@ class Ladder:
     envelopes: list                   # the kernels' envelopes, in preference order ([]: the plan never moves)
     by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
     device: Any = None                # the calls' device (part of the signature): read once, not per call
-    tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
+    tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans (None: the speed budget
+                                      # planned its family, re-planned first; moved families, candidates)
     run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
 
 
@@ -64,6 +65,8 @@ class Prepared(Ladder):
     checked: set = field(default_factory=set)  # families whose class of this call has a verdict (not asked again)
     never_guarded: bool = False       # no guarded kernel takes this signature under any budget
     fallback_reason: str = ""         # why not, when a guarded kernel was a candidate (counted per call)
+    policy_plan: Plan | None = None   # the kernel policy's own plan where the speed budget planned another family
+    costs: dict | None = None         # family -> predicted time vs policy_plan (speed_budget.BudgetChoice.speed_costs)
 
 
 class PlanChoice:
@@ -196,6 +199,13 @@ class PlanChoice:
         # auto on a measured GPU prices the plans (kv_chunks' LSE kernel, copies) against SDPA
         tflops = pricing_tflops(self.policy.kernel, self.rt.arch_name, self.rt.device_name)
         plan = choose(call, envelopes, budget, tflops)
+        policy_plan = plan
+        # the quality setting's speed budget: the least-error family within it runs from step 1 (speed_budget.py)
+        plan, envelopes, costs = self.within_budget_plan(call, plan, envelopes, budget)
+        if plan is not policy_plan:
+            # the speed budget's family heads the envelopes: its ladder re-plans it first, unpriced (priced,
+            # choose would take the policy's faster family at the first re-plan: the budget's choice lost)
+            tflops = None
         key = shape_key(call, n)
         run_stats.remember_plan(key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
@@ -209,7 +219,8 @@ class PlanChoice:
         return Prepared(plan, call, envelopes, {} if budget is None else {budget: plan}, q.device, tflops,
                         shape_key=key, count_key=f"plan:{plan.kind}", class_keys={}, klass=klass, func=func,
                         form=n.form, cuda=n.q4.is_cuda, fixed=budget is None or not envelopes or never,
-                        never_guarded=never, fallback_reason="; ".join(plan.reasons))
+                        never_guarded=never, fallback_reason="; ".join(plan.reasons),
+                        policy_plan=policy_plan if plan is not policy_plan else None, costs=costs)
 
     def _class_key(self, family: str, call: AttnCall) -> tuple:
         """Verdicts are per class of *call* (the caller's layout), whatever plan ran it, on this

@@ -8,15 +8,41 @@ block's ``transformer_options`` (as Flux does in its own loop) and runs what was
 another pack's replacement, chained -- else the original block. A model with neither gets the n-th
 attention call of the forward (guard.py). The patch is plain Python with no state: traced by
 torch.compile without a graph break.
+
+Only the base model's own block is measured under its index: while the original block runs (inside
+whatever replacement was there before), :data:`BASE_KEY` holds its index, and the guard reads a call
+as block ``i`` only where both say ``i`` (``QualityGuard.base_marked``). Another tower's attention that
+runs under the same ``transformer_options`` -- H3's Fun-ControlNet tower ran the sampler's override
+under the base ``block_index`` (ComfyUI PR #16344), TokenRefiner runs before the first block -- is
+neither measured nor moved: it runs as planned.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from .. import contain
+from ..attention.call_forms import BASE_KEY
 
 PATCH_NAME = "dit"
 BLOCK_NAME = "double_block"
+
+
+class BaseBlock:
+    """The original block, marked as the base model's own while it runs (:data:`BASE_KEY`)."""
+
+    def __init__(self, index: int, original: Callable):
+        self.index = index
+        self.original = original
+
+    def __call__(self, args: dict) -> Any:
+        to = args.get("transformer_options")
+        if not isinstance(to, dict):
+            return self.original(args)
+        to[BASE_KEY] = self.index
+        try:
+            return self.original(args)
+        finally:
+            to[BASE_KEY] = None
 
 
 class BlockIndex:
@@ -37,9 +63,10 @@ class BlockIndex:
             self.mark(args)
         except Exception as e:  # noqa: BLE001 - see contain.py
             contain.internal_error(e, "the H3 block index", "this block's calls are told apart by call order")
+        base = BaseBlock(self.index, extra["original_block"])
         if self.previous is not None:
-            return self.previous(args, extra)
-        return extra["original_block"](args)
+            return self.previous(args, {**extra, "original_block": base})
+        return base(args)
 
     def mark(self, args: dict) -> None:
         to = args.get("transformer_options")

@@ -35,23 +35,30 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.call_forms import BASE_KEY
 from ..attention.errors import is_oom
 from ..facts import compiler
 from ..ui import run_stats
-from . import targets
+from . import memory, outcome, targets
+from .report import entry, predicted_cost, publish, report, runs_now, send_outcome  # noqa: F401 (report, runs_now: the override's)
 from .probe import reference, rel_error, sample_rows
 
 log = logging.getLogger("SafeSage")
 
 STATS = run_stats.Section("quality", ("probes", "report_probes", "inconclusive", "host_reads", "plan_changes",
                                         "blocks_moved", "moved_calls", "moved_fallbacks", "exact_calls",
-                                        "forwards_without_step"))
+                                        "forwards_without_step", "recalled_blocks", "probes_skipped"))
 PLANNED, PROBE, REPORT, CHOSEN, EXACT = "planned", "probe", "report", "chosen", "exact"
 RUNS_KEPT = 4
-#: how a run's choices are shown (``/safesage/stats`` ``quality.last_run``)
-_LAST: dict = {}
-_LAST_LOCK = threading.Lock()
 _GUARDS: "weakref.WeakSet[QualityGuard]" = weakref.WeakSet()
+_RUN = threading.local()       # .key: the model the calling thread samples (memory.ModelKey), set per run
+
+
+def run_started(model_patcher) -> None:
+    """A sampling run of ``model_patcher`` starts on this thread (patch.py's OUTER_SAMPLE wrapper, from
+    ComfyUI's CFGGuider): what the guard measured for that model is remembered under its key
+    (memory.py). Host only."""
+    _RUN.key = memory.model_key(model_patcher) if model_patcher is not None else None
 
 
 @dataclass
@@ -64,6 +71,9 @@ class _Pending:
     probe: bool                      # step 1 (choose) or the report step (report only)
     order: list                      # the families it may move to, fastest first
     ceiling: float | None = None     # the planned kernel's targets.family_ceiling (decide's ceiling)
+    costs: dict = field(default_factory=dict)   # family -> predicted time vs the policy's plan (speed_budget)
+    floor: float = 0.0               # the reference's own error in the call's dtype (targets.REFERENCE_FLOOR)
+    budget: float = 1.0              # the speed budget it was measured under
 
 
 @dataclass
@@ -79,6 +89,15 @@ class RunState:
     choices: dict = field(default_factory=dict)   # (block, klass) -> (family, alternatives...) from step 2 on
     decided: bool = False
     fell: dict = field(default_factory=dict)      # (block, klass) -> what runs a moved block now (runs_now)
+    key: object = None               # memory.ModelKey of the sampled model (None: nothing remembered)
+    site: object = None              # the kernel builds the errors were measured on (SafeAttention.kernel_sites)
+    recalled: dict = field(default_factory=dict)  # klass -> blocks whose choices came from memory this run
+    skipped: bool = False            # the probe was skipped (no guarded step after it): counted once
+    report: list = field(default_factory=list)    # this run's choices (targets.Choice), measured or remembered
+    sources: set = field(default_factory=set)     # where they came from: "measured", "remembered"
+    budget: float = 1.0              # the speed budget the choices were made under
+    speeds: dict = field(default_factory=dict)    # family -> its speed's provenance (speed_budget.speed_sources)
+    published: bool = False          # a later step's report was published
 
 
 class QualityGuard:
@@ -93,6 +112,12 @@ class QualityGuard:
         self._runs: dict[int, RunState] = {}
         self._lock = threading.Lock()
         self._local = threading.local()     # .st: the calling thread's run once a forward of it started
+        #: the model's blocks are marked by SafeSage (blocks.install_block_index): each forward starts
+        #: with blocks.BASE_KEY unset (:meth:`forward_start`), and a call is block i only inside the base
+        #: block i (another tower's calls, under the same index or none, are not measured)
+        self.base_marked = False
+        #: ComfyUI's id of the SafeSage node this guard belongs to (its report is that node's: report.py)
+        self.node: str | None = None
         if self.active:
             _GUARDS.add(self)
 
@@ -102,19 +127,22 @@ class QualityGuard:
         read; set by :meth:`forward_start`, cleared by :meth:`run_end`)."""
         return getattr(self._local, "st", None)
 
-    def forward_start(self, transformer_options: dict | None) -> None:
+    def forward_start(self, transformer_options: dict | None, site: object = None) -> None:
         """A diffusion-model forward begins (eager: patch.py's APPLY_MODEL wrapper): which step it is,
-        and -- after a measured step -- the choices, in one host read."""
+        and -- after a measured step -- the choices, in one host read. ``site``: the kernel builds of
+        the SafeAttention whose model runs (what remembered errors are keyed on)."""
         rid = compiler.run_id()
         st = self._runs.get(rid)
         if st is None:
-            st = RunState(rid)
+            st = RunState(rid, key=getattr(_RUN, "key", None), site=site)
             with self._lock:
                 self._runs[rid] = st
                 run_stats.trim(self._runs, RUNS_KEPT)
         self._local.st = st
         st.ordinal = 0
         to = transformer_options or {}
+        if self.base_marked and isinstance(transformer_options, dict):
+            transformer_options[BASE_KEY] = None      # no base block runs yet (TokenRefiner, towers before it)
         sigma, sched = to.get("sigmas"), to.get("sample_sigmas") if st.schedule is None else None
         values = self._read(st, sigma, sched)
         s = values.get("sigma")
@@ -148,7 +176,14 @@ class QualityGuard:
         if not self.measuring:
             return PLANNED
         if st.step == n + 1:            # the first step that runs guarded kernels
-            return PROBE if self.quality != "faults only" else (REPORT if self.probe_step == st.step else PLANNED)
+            if self.quality == "faults only":
+                return REPORT if self.probe_step == st.step else PLANNED
+            if steps and st.step >= steps - n and self.probe_step != st.step:
+                if not st.skipped:
+                    st.skipped = True
+                    STATS.bump("probes_skipped")
+                return PLANNED          # no guarded step follows it: a measurement could change nothing
+            return PROBE
         if st.step == self.probe_step:
             return REPORT
         return CHOSEN if st.choices else PLANNED
@@ -163,6 +198,10 @@ class QualityGuard:
         try:
             if st.pending:
                 self._read(st, None, None)
+            if self.measuring and not st.report and not st.published:
+                # nothing measured in this run: the node does not show an earlier run's outcome as this one's
+                publish("none", {"reason": "nothing measured (no sampling step after the probe step)" if st.skipped
+                                 else "nothing measured in this run"}, self.node, st.run)
         finally:
             with self._lock:
                 self._runs.pop(rid, None)
@@ -215,7 +254,11 @@ class QualityGuard:
         """The block a call belongs to: ComfyUI's ``block_index`` (SafeSage fills it in for H3,
         blocks.py), else the n-th attention call of this forward (counted in a forward whose mode
         uses blocks: not in a PLANNED one, where every call runs its plan as it is)."""
-        bi = transformer_options.get("block_index") if isinstance(transformer_options, dict) else None
+        to = transformer_options if isinstance(transformer_options, dict) else {}
+        bi = to.get("block_index")
+        if BASE_KEY in to:          # SafeSage marks the base model's blocks (blocks.py): only their calls count
+            base = to[BASE_KEY]
+            return bi if type(bi) is int and base == bi else None
         o = st.ordinal
         st.ordinal = o + 1
         return bi if type(bi) is int else o
@@ -225,8 +268,8 @@ class QualityGuard:
         candidates' errors on the same rows. Pending on the device until the step ends; an
         out-of-memory makes this block's verdict inconclusive (it keeps its plan)."""
         key = (block, klass)
-        if key in st.seen:
-            return
+        if block is None or key in st.seen:
+            return                      # another tower's call (blocks.py), or measured already
         st.seen.add(key)
         try:
             with compiler.paused():
@@ -253,10 +296,72 @@ class QualityGuard:
             st.pending.append(_Pending(block, klass, plan.kernel, None, {}, st.mode == PROBE, []))
             return
         STATS.bump("probes" if st.mode == PROBE else "report_probes")
-        kern = att.kernels.get(plan.kernel)
-        tol = getattr(kern, "tolerance", None)
-        ceiling = targets.family_ceiling(tol, getattr(kern, "benign_error", None)) if tol is not None else None
-        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order, ceiling))
+        p = n.prepared
+        if not st.speeds and att.speed_budget() > 1.0:
+            st.speeds = att.speed_sources()
+        st.pending.append(_Pending(block, klass, plan.kernel, err, cands, st.mode == PROBE, order,
+                                   _ceiling(att, plan.kernel), att.speed_costs(p) if p is not None else {},
+                                   targets.REFERENCE_FLOOR.get(str(n.q.dtype).replace("torch.", ""), 0.0),
+                                   att.speed_budget()))
+
+    def recalled(self, att, st: RunState, block, p, func) -> bool:
+        """At the measured step of a run: whether ``block``'s calls of ``p``'s class have choices from
+        errors an earlier run measured on this model (memory.py): then they run those choices from step
+        1 and are not measured again. The class's remembered blocks are decided at its first call of the
+        run (targets.decide with this run's budget, kernels and plans: host floats only)."""
+        if block is None or st.key is None:
+            return False
+        blocks = st.recalled.get(p.klass)
+        if blocks is None:
+            blocks = st.recalled[p.klass] = self._decide_recalled(att, st, p, func)
+        if block in blocks:
+            st.seen.add((block, p.klass))
+            return True
+        return False
+
+    def _decide_recalled(self, att, st: RunState, p, func) -> frozenset:
+        mem = memory.recall(st.key, st.site, p.klass)
+        if not mem:
+            return frozenset()
+        st.budget = att.speed_budget()
+        if not st.speeds and st.budget > 1.0:
+            st.speeds = att.speed_sources()
+        planned = p.plan.kernel
+        costs = att.speed_costs(p)
+        floor = targets.REFERENCE_FLOOR.get(p.call.dtype, 0.0)
+        measured = []
+        for block, (was, errs) in sorted(mem.items()):
+            ran = planned if errs.get(planned) is not None else was
+            measured.append(targets.BlockErrors(block, p.klass, ran, errs.get(ran),
+                                                {f: e for f, e in errs.items() if f != ran}, costs, floor))
+        ceilings = {m.planned: _ceiling(att, m.planned) for m in measured}
+        choices = targets.decide(measured, self.quality, att.quality_order(func),
+                                 {f: c for f, c in ceilings.items() if c is not None}, st.budget)
+        STATS.bump("recalled_blocks", len(choices))
+        self._chose(st, choices, "remembered")
+        return frozenset(mem)
+
+    def _chose(self, st: RunState, choices: list, source: str) -> None:
+        """This run's choices for the blocks in ``choices`` (measured now, or remembered): held from the
+        next step (measured) or from now (remembered), counted and published."""
+        # (block, class) -> the families it runs, in order: the choice, then the others under its
+        # target (the override takes the first that can run the call; ComfyUI's own after them)
+        st.choices.update({(c.block, c.klass): (c.family,) + tuple(c.alternatives) for c in choices if c.moved})
+        moved = sum(c.moved for c in choices)
+        if moved:
+            STATS.bump("plan_changes")
+            STATS.bump("blocks_moved", moved)
+        st.report.extend(choices)
+        st.sources.add(source)
+        blocks = [entry(c) for c in st.report]
+        lines = outcome.lines(blocks)
+        publish("choices", {"quality": self.quality, "blocks": blocks, "lines": lines,
+                            "source": "+".join(sorted(st.sources)), "budget": st.budget,
+                            "cost": predicted_cost(st.report),
+                            "speeds": {f: st.speeds[f] for f in sorted({c.family for c in st.report} |
+                                                                       {c.planned for c in st.report})
+                                       if f in st.speeds}}, self.node, st.run)
+        log.info("SafeSage quality guard (%s, %s errors): %s", self.quality, source, "; ".join(lines))
 
     def _conclude(self, st: RunState, pend: list, values: dict) -> None:
         """The measured step's errors are on the host: choose (step 1) or report (a later step)."""
@@ -265,101 +370,42 @@ class QualityGuard:
             for i, pb in items:
                 e = values.get(("e", i, None))
                 cands = {f: (values[("e", i, f)][0] if ("e", i, f) in values else None) for f in pb.candidates}
-                out.append(targets.BlockErrors(pb.block, pb.klass, pb.family, e[0] if e else None, cands))
+                out.append(targets.BlockErrors(pb.block, pb.klass, pb.family, e[0] if e else None, cands,
+                                               pb.costs, pb.floor))
             return out
         probed = [(i, pb) for i, pb in enumerate(pend) if pb.probe]
         later = [(i, pb) for i, pb in enumerate(pend) if not pb.probe]
         if probed and not st.decided:
             ceilings = {pb.family: pb.ceiling for _, pb in probed if pb.ceiling is not None}
-            choices = targets.decide(measured(probed), self.quality, probed[0][1].order, ceilings)
-            # (block, class) -> the families it runs, in order: the choice, then the others under its
-            # target (the override takes the first that can run the call; ComfyUI's own after them)
-            st.choices = {(c.block, c.klass): (c.family,) + tuple(c.alternatives) for c in choices if c.moved}
+            blocks = measured(probed)
+            st.budget = probed[0][1].budget
+            choices = targets.decide(blocks, self.quality, probed[0][1].order, ceilings, st.budget)
             st.decided = True
-            moved = sum(c.moved for c in choices)
-            if moved:
-                STATS.bump("plan_changes")
-                STATS.bump("blocks_moved", moved)
-            lines = targets.summary_lines(choices)
-            _publish("choices", {"quality": self.quality, "blocks": [_entry(c) for c in choices], "lines": lines})
-            log.info("SafeSage quality guard (%s): %s", self.quality, "; ".join(lines))
+            for m in blocks:             # errors, not choices: a later run decides again with its own budget
+                if m.error is not None:
+                    memory.remember(st.key, st.site, m.block, m.klass, m.planned, {m.planned: m.error, **m.candidates})
+            self._chose(st, choices, "measured")
         if later:
-            _publish("later", {"step": st.step, "blocks": [
-                {"block": m.block, "family": m.planned, "error": _r(m.error)} for m in measured(later)]})
+            st.published = True
+            publish("later", {"step": st.step, "blocks": [
+                {"block": m.block, "family": m.planned, "error": None if m.error is None else round(float(m.error), 5)} for m in measured(later)]},
+                    self.node, st.run)
 
 
 def run_ended() -> None:
     """The calling thread's sampling run ended (patch.py's OUTER_SAMPLE wrapper, before the run id
     moves on): every guard with state for it reads what is pending and forgets the run; then what
-    this run published goes to the frontend as one ``safesage.quality`` event (:func:`_send_outcome`)."""
+    this run published goes to the frontend as one ``safesage.quality`` event (report.send_outcome)."""
     try:
         for g in list(_GUARDS):
             g.run_end()
     finally:
-        _send_outcome()
+        _RUN.key = None
+        send_outcome()
 
 
-def _r(x):
-    return None if x is None else round(float(x), 5)
-
-
-def _entry(c: targets.Choice) -> dict:
-    """One (block, class of call) of a run: what was planned and its error, the target, what runs
-    from step 2 on (``family``) and its error, whether it moved, why, the candidates' errors, and
-    ``alternatives``: the other families under the target it runs, in order, where ``family``
-    cannot (failed its check, switched off; ``quality.moved_fallbacks`` counts those calls)."""
-    return {"block": c.block, "family": c.family, "error": _r(c.error), "planned": c.planned,
-            "planned_error": _r(c.planned_error), "target": _r(c.target), "moved": c.moved, "why": c.why,
-            "candidates": {f: _r(e) for f, e in c.candidates.items()}, "call_class": c.klass,
-            "alternatives": list(c.alternatives), "runs_now": c.family}
-
-
-def runs_now(st: RunState, block: int, klass: str, family: str) -> None:
-    """A moved block's calls run ``family`` instead of the family chosen for them (it failed its
-    first-call check or was switched off; the override's fallback): the last run's report says so
-    (``runs_now``), once per change (st.fell)."""
-    key = (block, klass)
-    if st.fell.get(key) == family:
-        return
-    st.fell[key] = family
-    with _LAST_LOCK:
-        for e in (_LAST.get("choices") or {}).get("blocks", []):
-            if e["block"] == block and e.get("call_class") == klass:
-                e["runs_now"] = family
-        run_stats.set_info("quality_last_run", dict(_LAST))
-
-
-_unsent = False          # published since the last event (under _LAST_LOCK)
-
-
-def _publish(kind: str, value: dict) -> None:
-    global _unsent
-    if kind == "choices":
-        from .outcome import summary
-        line = summary(value.get("blocks", []))
-    with _LAST_LOCK:
-        if kind == "choices":
-            _LAST.pop("later", None)          # a later step's report belongs to the run it was measured in
-            _LAST["summary"] = line
-        _LAST[kind] = value
-        _unsent = True
-        run_stats.set_info("quality_last_run", dict(_LAST))
-
-
-def _send_outcome() -> None:
-    """One ``safesage.quality`` event with :func:`report` (per-block choices, the one-line
-    summary) when this run published something; nothing without a ComfyUI server (ui/events.py)."""
-    global _unsent
-    with _LAST_LOCK:
-        if not _unsent:
-            return
-        _unsent = False
-    from ..ui import events
-    events.send(events.QUALITY, report())
-
-
-def report() -> dict:
-    """The last run's per-block choices, its one-line ``summary`` (and a later step's report), as
-    ``/safesage/stats`` (``quality_last_run``) and the ``safesage.quality`` event show them."""
-    with _LAST_LOCK:
-        return dict(_LAST)
+def _ceiling(att, family: str) -> float | None:
+    """``family``'s targets.family_ceiling on ``att``'s kernels (None: not installed there)."""
+    kern = att.kernels.get(family)
+    tol = getattr(kern, "tolerance", None)
+    return targets.family_ceiling(tol, getattr(kern, "benign_error", None)) if tol is not None else None

@@ -176,5 +176,9 @@ def quality_lines(policy, rt=None, comfy_wants_sage: bool | None = None) -> list
     order = runtime_move_order(policy.kernel, rt, choice)
     if not order:
         return [f"quality guard ({q}): {describe(order)}"]
+    from ..attention.speed_budget import budget_line
+    from ..families.registry import installed_kernels
+    installed = sorted({k.family for k in installed_kernels(rt)} - {"sdpa"})
     return [f"quality guard ({q}): blocks run {order[0]}; a block over its target {describe(order)} "
-            "(the first of these under its target, measured at step 1; ComfyUI's own attention is the reference)"]
+            "(the first of these under its target, measured at step 1; ComfyUI's own attention is the reference)",
+            f"quality guard ({q}): " + budget_line(q, policy.kernel, rt.arch_name, rt.device_name, installed, order[0])]

@@ -6,6 +6,8 @@ under it its "why" row, data-why), "quality-summary", and the "copy" button."""
 
 from __future__ import annotations
 
+from browser import ms, next_frames, wait_until
+
 TAB_BUTTON = '.side-bar-button[aria-label^="SafeSage run statistics"]'
 TAB_ID = "safesage-stats"
 
@@ -39,16 +41,17 @@ def panel_refreshes(page) -> int:
     return state["refreshes"] if state else 0
 
 
-def wait_panel_refreshed(page, before: int, timeout_ms: int = 60_000) -> dict:
-    """Wait until the panel is visible and has fetched /safesage/stats more than ``before`` times."""
-    page.wait_for_function("(n) => { const s = (%s)(); return s && s.visible && s.refreshes > n; }" % STATE_JS,
-                           arg=before, timeout=timeout_ms)
+def wait_panel_refreshed(page, before: int, timeout_s: float = 120) -> dict:
+    """Wait until the panel is visible and has fetched /safesage/stats more than ``before`` times
+    (limit scaled, browser.py)."""
+    wait_until(page, "(n) => { const s = (%s)(); return s && s.visible && s.refreshes > n; }" % STATE_JS,
+               "the SafeSage panel visible and refreshed more than %d times" % before, timeout_s, arg=before)
     return panel_text(page)
 
 
 def open_sidebar_panel(page) -> None:
     """Click the SafeSage button of the sidebar, as a user opens the tab."""
-    page.locator(TAB_BUTTON).first.click(timeout=10_000)
+    page.locator(TAB_BUTTON).first.click(timeout=ms(30))
 
 
 def close_sidebar_panel(page) -> None:
@@ -57,4 +60,6 @@ def close_sidebar_panel(page) -> None:
         const em = app.extensionManager;
         if (em?.sidebarTab?.activeSidebarTabId === id) await em.command.execute('Workspace.ToggleSidebarTab.' + id);
     }""", TAB_ID)
-    page.wait_for_timeout(300)
+    wait_until(page, "(id) => app.extensionManager?.sidebarTab?.activeSidebarTabId !== id",
+               "the SafeSage sidebar tab closed", arg=TAB_ID)
+    next_frames(page)

@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from browser import hide_overlays, open_comfy
+from browser import hide_overlays, ms, next_frames, open_comfy, seconds, wait_socket, wait_until
 from stats_panel import open_sidebar_panel, panel_refreshes, panel_text, wait_panel_refreshed
 from tools.harness.comfy_graphs import h3_graph
 from tools.harness.comfy_server import (QUALITY_BLOCKS, QUALITY_OUTLIERS, REPO, fake_quality_server,
@@ -93,26 +93,29 @@ def qserver(tmp_path_factory):
 
 
 def _wait_idle(server, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
+    """Until ComfyUI's /queue has nothing running or pending (limit scaled)."""
+    deadline = time.monotonic() + seconds(timeout)
     while time.monotonic() < deadline:
         q = server.get_json("/queue")
         if not q["queue_running"] and not q["queue_pending"]:
             return
         time.sleep(0.2)
-    raise TimeoutError("the prompt queued from the frontend did not finish; log tail:\n" + server.log_tail())
+    raise TimeoutError("the prompt queued from the frontend did not finish within %.0f s; log tail:\n%s"
+                       % (seconds(timeout), server.log_tail()))
 
 
 def _run_from_frontend(page, server, console, seed: int) -> str:
     """Queue the loaded graph with the Run button at ``seed``; the status text once this run's
-    safesage.quality event has been shown."""
-    shown = sum(EVENT_LOG in line for line in console)
+    safesage.quality event has been shown (web/safesage.js logs it) and the queue is empty."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
     page.evaluate(SEED_JS, seed)
-    page.get_by_role("button", name="Run", exact=True).first.click(timeout=10_000)
-    deadline = time.monotonic() + 240
-    while sum(EVENT_LOG in line for line in console) == shown:
-        assert time.monotonic() < deadline, ("no safesage.quality event shown; console: %s\nlog tail:\n%s"
-                                             % (console[-20:], server.log_tail()))
-        page.wait_for_timeout(200)
+    wait_socket(page)                  # the run's events come to this page over it
+    try:
+        with page.expect_console_message(lambda m: EVENT_LOG in m.text, timeout=ms(240)):
+            page.get_by_role("button", name="Run", exact=True).first.click(timeout=ms(30))
+    except PlaywrightTimeoutError as e:
+        raise AssertionError("no safesage.quality event shown within %.0f s; console: %s\nlog tail:\n%s"
+                             % (seconds(240), console[-20:], server.log_tail())) from e
     _wait_idle(server)
     return page.evaluate(STATUS_JS)
 
@@ -149,20 +152,20 @@ def test_last_run_line_under_the_status_after_a_run_with_moved_blocks(qserver, t
         lines = text.split("\n")
         assert lines[0].startswith("SafeSage: ") and "quality: balanced" in text, text      # the status, kept
         assert lines[-1] == summary and sum(l.startswith("last run: ") for l in lines) == 1, text
-        assert page.evaluate(VISIBLE_JS, summary), "the last-run line is not in a visible box on the node"
+        wait_until(page, VISIBLE_JS, "the last-run line in a visible box on the node, scrolled to", arg=summary)
         status = "\n".join(lines[:-1])
         wait_panel_refreshed(page, refreshes)          # at the run's end, without a click
-        page.wait_for_function("(s) => document.querySelector('[data-safesage=quality-summary]')?.innerText === s",
-                               arg=summary, timeout=30_000)
+        wait_until(page, "(s) => document.querySelector('[data-safesage=quality-summary]')?.innerText === s",
+                   "the panel's quality summary of the first run", arg=summary)
         _assert_panel_shows(page, server.safesage_stats())
         # the panel beside the node with its last-run line (the sidebar covers the canvas' left part)
         page.evaluate("() => { app.canvas.ds.offset = [400, 120]; app.canvas.setDirty(true, true); }")
         hide_overlays(page)
-        page.wait_for_timeout(500)
+        next_frames(page)
         shot = PANEL_SHOT if os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1" else tmp_path / PANEL_SHOT.name
         page.screenshot(path=str(shot), clip={"x": 0, "y": 40, "width": 1060, "height": 860})
         # the raw JSON only through the copy button
-        page.locator("[data-safesage=copy]").first.click(timeout=10_000)
+        page.locator("[data-safesage=copy]").first.click(timeout=ms(30))
         copied = json.loads(page.evaluate("() => navigator.clipboard.readText()"))
         assert copied["quality_last_run"] == server.safesage_stats()["quality_last_run"]
         assert copied["attention_calls"] == server.safesage_stats()["attention_calls"]
@@ -176,10 +179,10 @@ def test_last_run_line_under_the_status_after_a_run_with_moved_blocks(qserver, t
         assert cached and SAFESAGE_ID in cached[0], entry["status"]["messages"]
         summary2 = server.safesage_stats()["quality_last_run"]["summary"]
         assert text2 == status + "\n" + summary2, (text2, status, summary2)
-        assert page.evaluate(VISIBLE_JS, summary2)
+        wait_until(page, VISIBLE_JS, "the second run's line in a visible box on the node, scrolled to", arg=summary2)
         wait_panel_refreshed(page, refreshes)
-        page.wait_for_function("(s) => document.querySelector('[data-safesage=quality-summary]')?.innerText === s",
-                               arg=summary2, timeout=30_000)
+        wait_until(page, "(s) => document.querySelector('[data-safesage=quality-summary]')?.innerText === s",
+                   "the panel's quality summary of the second run", arg=summary2)
         _assert_panel_shows(page, server.safesage_stats())
     errors = [l for l in console if (l.startswith(("error:", "warning:")) and "[SafeSage]" in l)
               or (l.startswith("pageerror:") and "safesage" in l.lower())]

@@ -82,10 +82,40 @@ def test_outlier_blocks_move_benign_stay_one_plan_change_per_run(qserver, seed_c
             assert any(KITCHEN in line for line in choices["lines"]), choices["lines"]
             errs = [ch[b]["planned_error"] for b in OUTLIERS]
             assert last["summary"] == (f"last run: blocks {OUTLIERS[0]}-{OUTLIERS[-1]} → {KITCHEN}, "
-                                       f"{min(errs):.3f}-{max(errs):.3f} over {ch[OUTLIERS[0]]['target']:.3f}"), last
+                                       f"{min(errs):.3f}-{max(errs):.3f} over {ch[OUTLIERS[0]]['target']:.3f} "
+                                       f"→ {ch[OUTLIERS[0]]['error']:.3f}"), last
             # one safesage.quality event for this run, carrying what /safesage/stats holds
             assert len(sent) == 1, sent
             assert sent[0]["summary"] == last["summary"] and sent[0]["choices"] == choices, (sent[0], last)
+            # the outcome is the SafeSage node's own: ComfyUI's id of that node (h3_graph's "10")
+            assert sent[0]["node"] == last["node"] == "10" and set(last["nodes"]) == {"10"}, last
+
+
+def test_a_later_prompt_runs_the_remembered_choices_from_step_1_until_forgotten(qserver, seed_counter):
+    """Issue #46 goal 3 through real ComfyUI: the second prompt on the same model (ComfyUI keeps the loaded
+    UNet) measures nothing and runs the moved blocks' choices from step 1; POST /safesage/quality/forget
+    makes the next prompt measure again."""
+    server, unet = qserver
+
+    def prompt(remember):
+        before = server.safesage_stats()
+        server.run(h3_graph(unet, seed_counter(), "quality_remembered", steps=STEPS,
+                            safesage={"kernel": "sage", "quality": "balanced"}), remember=remember)
+        return before, server.safesage_stats()
+
+    before, after = prompt(False)                         # measured
+    assert stats_delta(before, after, "quality.probes") == BLOCKS, after["quality"]
+    before, after = prompt(True)                          # remembered: no probe, the choices from step 1
+    q = after["quality"]
+    assert stats_delta(before, after, "quality.probes") == 0, q
+    assert stats_delta(before, after, "quality.recalled_blocks") == BLOCKS, q
+    assert stats_delta(before, after, "quality.moved_calls") == len(OUTLIERS) * STEPS, q
+    assert after["quality_last_run"]["choices"]["source"] == "remembered", after["quality_last_run"]
+    moved = sorted(c["block"] for c in after["quality_last_run"]["choices"]["blocks"] if c["moved"])
+    assert moved == list(OUTLIERS), after["quality_last_run"]
+    assert server.forget_quality() == BLOCKS
+    before, after = prompt(True)                          # forgotten: measured again
+    assert stats_delta(before, after, "quality.probes") == BLOCKS, after["quality"]
 
 
 def test_faults_only_measures_nothing(qserver, seed_counter):

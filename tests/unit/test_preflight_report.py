@@ -237,3 +237,18 @@ def test_preflight_lists_the_quality_guards_candidates_here(monkeypatch):
                            "ck_int8, else sage2_sm80, else ComfyUI's own attention"), line
     off = preflight_report(1664, 960, 362, rt=H200_SAGE22, policy=Policy(quality="faults only"))["text"]
     assert "quality guard: faults only" in off and "quality guard (" not in off
+
+
+def test_preflight_states_the_speed_budget_and_its_sources(monkeypatch):
+    """Issue #46 goal 1: Preflight shows the quality setting's speed budget and the speeds it prices with
+    (their cards and versions); under kernel=sage there is none."""
+    import emulated_gpus as E
+    E.install_packages(monkeypatch)
+    rt = E.runtime(E.RTX5090)
+    text = preflight_report(1664, 960, 362, rt=rt, comfy_wants_sage=True)["text"]
+    line = next(ln for ln in text.splitlines() if ln.startswith("quality guard (balanced): speed budget"))
+    assert "1.05x" in line and "ck_int8 536 TFLOP/s" in line and "sage2_sm120_fp8pv 560 TFLOP/s" in line, line
+    strict = preflight_report(1664, 960, 362, rt=rt, comfy_wants_sage=True, policy=Policy(quality="strict"))["text"]
+    assert "quality guard (strict): speed budget 1.50x" in strict
+    sage = preflight_report(1664, 960, 362, rt=rt, comfy_wants_sage=True, policy=Policy(kernel="sage"))["text"]
+    assert "quality guard (balanced): speed budget: none under kernel 'sage'" in sage

@@ -24,24 +24,38 @@ from safe_ops.ui import events  # noqa: E402
 from test_quality_guard import NB, OUTLIERS, blocks, forward, make, sample, schedule, stats  # noqa: E402,F401
 
 
-def entry(block, planned="sage2", error=0.01, family=None, target=0.045):
+def entry(block, planned="sage2", error=0.01, family=None, target=0.045, after=None, rule=None):
     fam = family or planned
     return {"block": block, "planned": planned, "planned_error": error, "family": fam, "target": target,
-            "moved": fam != planned}
+            "moved": fam != planned, "error": after if fam != planned else error,
+            "rule": rule if rule is not None else ("target" if fam != planned else "")}
 
 
-def test_summary_runs_of_moved_blocks_one_line():
-    blocks_ = [entry(b) for b in range(40)] + [entry(40 + i, error=0.051 + 0.001 * i, family="ck_int8")
-                                              for i in range(10)]
-    assert summary(blocks_) == "last run: blocks 40-49 → ck_int8, 0.051-0.060 over 0.045"
+def test_summary_runs_of_moved_blocks_one_line_before_and_after():
+    blocks_ = [entry(b) for b in range(40)] + [entry(40 + i, error=0.051 + 0.001 * i, family="ck_int8",
+                                                     after=0.016 + 0.001 * i) for i in range(10)]
+    assert summary(blocks_) == "last run: blocks 40-49 → ck_int8, 0.051-0.060 over 0.045 → 0.016-0.025"
 
 
-def test_summary_splits_by_family_and_gaps_names_comfys_own():
+def test_summary_splits_by_family_rule_and_gaps_names_comfys_own():
     blocks_ = [entry(0), entry(1, error=0.2, family="sdpa", target=0.013), entry(3, error=0.06, family="ck_int8"),
                entry(4, error=0.07, family="ck_int8", target=0.05), entry(5, error=0.08, family="ck_int8"),
-               entry(7, error=0.09, family="ck_int8")]
+               entry(7, error=0.09, family="ck_int8"),
+               entry(8, error=0.04, family="ck_int8", after=0.017, rule="budget"),
+               entry(9, error=0.04, family="ck_int8", after=0.018, rule="budget")]
     assert summary(blocks_) == ("last run: block 1 → sdpa (ComfyUI's own), 0.200 over 0.013; "
-                                "blocks 3-5 → ck_int8, 0.060-0.080 over 0.045-0.050; block 7 → ck_int8, 0.090 over 0.045")
+                                "blocks 3-5 → ck_int8, 0.060-0.080 over 0.045-0.050; block 7 → ck_int8, 0.090 over 0.045; "
+                                "blocks 8-9 → ck_int8, 0.040 → 0.017-0.018 within the speed budget")
+
+
+def test_summary_says_the_budget_its_predicted_cost_and_remembered_errors():
+    blocks_ = [entry(b, family="ck_int8", error=0.04, after=0.017, rule="budget") for b in range(3)]
+    run = {"budget": 1.05, "cost": {"budget": 1.0448, "safety": None}, "source": "remembered"}
+    assert summary(blocks_, run) == ("last run: blocks 0-2 → ck_int8, 0.040 → 0.017 within the speed budget; "
+                                     "predicted attention time 1.04x the fastest kernel's (budget 1.05x); "
+                                     "errors remembered from an earlier prompt")
+    # no budget (kernel sage, faults only, or an unknown speed): nothing said of it
+    assert summary(blocks_, {"budget": 1.0, "cost": {"budget": 1.0}}).endswith("within the speed budget")
 
 
 def test_summary_without_moves_and_with_inconclusive_blocks():
@@ -115,7 +129,8 @@ def test_one_event_per_run_with_the_blocks_and_summary(fresh, server):
         event, payload, sid = ps.sent[-1]
         assert event == "safesage.quality" and sid == "client-1"
         last = stats()["quality_last_run"]
-        assert payload == events.plain(last)                      # what /safesage/stats holds
+        # what /safesage/stats holds for this node ("" : no node), also at its top level (the latest run)
+        assert payload == events.plain(last["nodes"][""]) == events.plain({k: v for k, v in last.items() if k != "nodes"})
         by = {e["block"]: e for e in payload["choices"]["blocks"]}
         assert sorted(by) == list(range(NB))
         for b in OUTLIERS:
@@ -127,7 +142,25 @@ def test_one_event_per_run_with_the_blocks_and_summary(fresh, server):
         hi = max(by[b]["planned_error"] for b in OUTLIERS)
         assert payload["summary"] == last["summary"] == (
             f"last run: blocks {OUTLIERS[0]}-{OUTLIERS[-1]} → {fq_.KITCHEN}, {lo:.3f}-{hi:.3f} over "
-            f"{by[OUTLIERS[0]]['target']:.3f}"), payload["summary"]
+            f"{by[OUTLIERS[0]]['target']:.3f} → {by[OUTLIERS[0]]['error']:.3f}"), payload["summary"]
+
+
+def test_each_node_shows_its_own_run_and_a_run_that_measured_nothing_replaces_it(fresh, server):
+    """Two SafeSage nodes (two guards): each node's report is its own run's; a node whose next run
+    measured nothing (one step: no step after the probe) says so instead of showing the older one."""
+    ps = server(client_id="c")
+    a, b = make(quality="balanced"), make(quality="balanced")
+    a.quality.node, b.quality.node = "12", "7:3"                 # 7:3 -- a node inside subgraph node 7
+    sample(a, blocks(), 3)
+    sample(b, blocks()[:4], 3)                                  # b's blocks are all benign
+    nodes = stats()["quality_last_run"]["nodes"]
+    assert "→" in nodes["12"]["summary"] and nodes["7:3"]["summary"] == "last run: no block moved (4 within target)"
+    assert [p["node"] for _, p, _ in ps.sent] == ["12", "7:3"]
+    sample(a, blocks(), 1)                                      # nothing measured
+    nodes = stats()["quality_last_run"]["nodes"]
+    assert nodes["12"]["summary"].startswith("last run: nothing measured") and "choices" not in nodes["12"], nodes
+    assert nodes["7:3"]["summary"] == "last run: no block moved (4 within target)"
+    assert ps.sent[-1][1]["node"] == "12" and ps.sent[-1][1]["summary"] == nodes["12"]["summary"]
 
 
 def test_no_event_for_a_run_that_measured_nothing(fresh, server):

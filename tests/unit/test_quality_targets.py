@@ -10,7 +10,7 @@ import pytest
 
 from safe_ops.policy import QUALITY as POLICY_QUALITY
 from safe_ops.quality.targets import (BALANCED_FACTOR, COMFY, QUALITY, STRICT_ERROR, STRICT_FACTOR, BlockErrors,
-                                      decide, summary_lines, target_for)
+                                      decide, target_for)
 
 REPO = Path(__file__).resolve().parents[2]
 K = ("bf16", 128)                    # a class of call
@@ -114,8 +114,10 @@ def test_medians_are_per_family_and_class():
 
 
 def test_summary_lines_group_consecutive_blocks():
+    from safe_ops.quality.outcome import lines as summary_lines
+    from safe_ops.quality.report import entry
     ms = [blk(i, 0.010) for i in range(4)] + [blk(4, 0.060, ck_y=0.002), blk(5, 0.070, ck_y=0.002)]
-    lines = summary_lines(decide(ms, "balanced", ORDER))
+    lines = summary_lines([entry(c) for c in decide(ms, "balanced", ORDER)])
     assert lines[0].startswith("blocks 0-3: sage_x (")
     assert lines[1].startswith("blocks 4-5: ck_y -- sage_x 0.060-0.070 over target")
 

@@ -19,6 +19,7 @@ from safe_ops.ui import run_stats as report
 
 from test_attention import ComfyFunc, h3_like, make_attn, raw, reference
 from test_compiler import prefetch  # noqa: F401 - a fixture
+from test_quality_budget import speeds  # noqa: F401 - a fixture
 from test_quality_guard import extra_families  # noqa: F401 - a fixture
 
 
@@ -279,3 +280,28 @@ def test_under_the_compiler_a_moved_blocks_oom_plans_its_run_again(fresh, extra_
     assert launches[1] == len(OUTLIERS), launches                # step 2: one launch per moved block
     assert report.value("oom_fallbacks") == 1
     assert launches[2] > 1 + 1, ("after the OOM the other moved block ran a plan for the memory now", launches)
+
+
+def test_a_family_the_speed_budget_planned_stays_on_its_signatures_ladder(fresh, speeds, chooses, monkeypatch):
+    """kernel=auto, balanced, both families priced as on a measured GPU: the speed budget plans fake_kitchen
+    (less error, 1.02x fake_sage's time) for the signature from step 1. Memory that really shrinks re-plans
+    on the signature's ladder -- fake_kitchen's smaller plan, counted, not the policy's faster fake_sage (the
+    budget's choice lost at the first re-plan) -- and memory back where it was costs nothing."""
+    from test_quality_budget import make, sample
+    from test_quality_guard import blocks
+    fq = fresh
+    monkeypatch.setattr(plans, "pricing_tflops", lambda *a: {fq.SAGE: 100.0, fq.KITCHEN: 98.0})
+    att = make()
+    now = {"b": 2**26}
+    att._budget = lambda dev: now["b"]
+    sample(att, blocks(), 2)
+    (p,) = att.prepared_plans()
+    assert p.plan.kernel == fq.KITCHEN and p.policy_plan.kernel == fq.SAGE, (p.plan, p.policy_plan)
+    replans = report.value("replans")
+    now["b"] = p.plan.peak_bytes - 1
+    tight = att.plan_now(p)
+    assert tight.kernel == fq.KITCHEN and tight.peak_bytes < p.plan.peak_bytes, tight
+    assert report.value("replans") == replans + 1
+    now["b"] = 2**26
+    assert att.plan_now(p) is p.plan and report.value("replans") == replans + 1
+

@@ -59,7 +59,7 @@ def test_latent_store_keeps_arms_of_the_same_setup_and_empties_for_another(tmp_p
     for n in ("169k_pytorch.pt", "169k_sage_nodyn.pt", "notes.txt"):
         (tmp_path / "lat" / n).write_bytes(b"0")
     found = driver._latent_store(_store_args(tmp_path, ckpt), doc)
-    assert sorted(found) == [("169k", "pytorch"), ("169k", "sage_nodyn")]
+    assert sorted(found) == [("169k", "pytorch", 1), ("169k", "sage_nodyn", 1)]      # (size, arm, prompt)
     assert doc["earlier_latents"] == ["169k:pytorch", "169k:sage_nodyn"]
     # another seed (or checkpoint) must not be compared with these latents: the store is emptied
     assert driver._latent_store(_store_args(tmp_path, ckpt, seed=1), {}) == {}

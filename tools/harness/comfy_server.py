@@ -74,13 +74,24 @@ class ComfyServer(ComfyProcess):
         super().__init__(base, custom_nodes, root=comfy_root(), python=server_python(),
                          flags=["--cpu"] + self.extra_args, env=env, name=name)
 
-    def run(self, graph: dict, timeout: float = 300) -> dict:
-        """Queue a graph that must succeed; returns its history entry."""
+    def run(self, graph: dict, timeout: float = 300, remember: bool = False) -> dict:
+        """Queue a graph that must succeed; returns its history entry. Unless ``remember``, the quality
+        guard first forgets what earlier prompts measured (POST /safesage/quality/forget): each such
+        prompt measures at its own step 1, as the tests written before issue #46 expect; a test of the
+        remembered errors passes ``remember=True``."""
+        if not remember:
+            self.forget_quality()
         entry = self.queue_and_wait(graph, timeout)
         if entry["status"]["status_str"] != "success":
             raise AssertionError("prompt failed: %s\nlog tail:\n%s" % (
                 json.dumps(execution_error(entry), indent=1)[:4000], self.log_tail()))
         return entry
+
+    def forget_quality(self) -> int | None:
+        """POST /safesage/quality/forget: how many remembered measurements went (None: no such route,
+        e.g. a pack that failed to import)."""
+        r = requests.post(self.url + "/safesage/quality/forget", timeout=30)
+        return r.json().get("forgotten") if r.status_code == 200 else None
 
     def safesage_stats(self) -> dict:
         r = requests.get(self.url + "/safesage/stats", timeout=30)
