@@ -15,7 +15,8 @@ probe's reference alone). Per path and per prompt of one server (``--prompts N``
     share of the sampling time = (step 1 of the arm - step 1 of faults only) / (N x median step from step 2 on)
 
 for N = the graph's own step count (the rows' steps), 20 (the reporter's full run: seed-bug-report.md,
-"a full 20-step run, 25.4 min") and 2 (the reporter's repro and the H3 template's sampler). The median
+"a full 20-step run, 25.4 min") and 2 (the reporter's repro; the H3 templates sampled 2 steps until
+issue 48, when they took the full run's 20). The median
 step is over the faults-only and node-default rows' steps from step 2 on, every prompt.
 
 Cases, each named in the JSON where it is missing or carries a one-time cost: a server's **first
@@ -46,7 +47,7 @@ from bench.cmdline import command
 
 #: step counts every share is also given for, and why
 SCHEDULES = {20: "the reporter's full run (seed-bug-report.md: a full 20-step run, 25.4 min)",
-             2: "the reporter's repro and the H3 template's sampler (2 steps)"}
+             2: "the reporter's repro (2 steps)"}
 #: a later prompt's share, per schedule (issue 46 goal 7)
 TARGETS = {20: 0.005, 2: 0.01}
 #: the schedule the figures divided by before issue 46 (nobody runs it): only under *_30_steps_before keys

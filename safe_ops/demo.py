@@ -2,7 +2,9 @@
 
 1. What is here (GPU, sageattention and the kernel family it would run).
 2. The plan SafeSage chooses for the reporter's graph (MiniMax H3 ref2va,
-   1664x960, 362 frames, 3 reference images) on every known kernel family.
+   1664x960, 362 frames, 3 reference images) on every known kernel family,
+   each labelled with the GPUs and sageattention / comfy-kitchen versions that
+   run it, in the words of the Preflight node's report.
 3. Guarded attention on H3-shaped strided q/k/v views, checked against a
    float64/float32 reference: on a CUDA GPU with sageattention, the real kernel
    just past its int32 limit; on the CPU (or without sage), a stand-in kernel
@@ -47,7 +49,7 @@ except ImportError:  # pragma: no cover - a fresh machine without torch
 from .ui import run_stats
 from .attention.override import SafeAttention
 from .families.family import Kernel
-from .families.registry import sage_kernel
+from .families.registry import family_users, sage_kernel
 from .families.envelope import AttnCall, TensorDesc, check
 from .families.sage1 import SAGE1_TRITON
 from .models.h3.mlp_reference import chunked_swiglu, reference_swiglu
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
     for row in preflight(t.total, budget_bytes=8 << 30):
         v = row["violations"]
         print(f"- {row['family']}: " + (f"{len(v)} violation(s), e.g. {v[0]}" if v else "inside its envelope"))
+        print(f"    used by: {family_users(row['family']) or 'no GPU or package version SafeSage knows'}")
         print(f"    -> {row['plan']}")
     if rt.sage_family:
         print(f"this machine runs {rt.sage_family}")

@@ -417,9 +417,11 @@ function build() {
   if (panel.floating) {
     head.append(h("button", { onclick: () => closeFloating(), title: "Close" }, "×"));
   }
+  // the counters are this ComfyUI process's totals, not one run's: said on screen, not only in a tooltip
   const when = panel.updated ? `updated ${panel.updated.toLocaleTimeString()} (${panel.why})` : "loading…";
   const out = [head, h("div", { className: "ss-muted", "data-safesage": "updated",
-    title: "the counters are this ComfyUI process's, since it started" }, when)];
+    title: "the counters are this ComfyUI process's, since it started; the quality guard's table is the last run's" },
+    `Totals since ComfyUI started (not per run) · ${when}`)];
   if (panel.error) out.push(h("div", { className: "ss-error", "data-safesage": "error" }, `${STATS_URL}: ${panel.error}`));
   if (d) {
     out.push(...attentionSection(d), ...fallbackSection(d), ...disabledSection(d), ...mlpSection(d), ...qualitySection(d));

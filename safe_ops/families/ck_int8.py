@@ -228,6 +228,10 @@ CK_INT8_PRE236 = _envelope("ck_int8_pre236", True,
                            "fit int32 (comfy-kitchen #178: 299,521 keys at 56x128 raise OverflowError).")
 
 
+#: the comfy-kitchen versions each envelope stands for, as Preflight and the demo name them
+VERSION_RANGES = {"ck_int8": "0.2.36-0.2.40", "ck_int8_pre236": "0.2.29-0.2.35"}
+
+
 def ck_family_for(version: str | None) -> str | None:
     """Envelope family of comfy-kitchen ``version``'s int8_attention; None if it has none."""
     v = version_tuple(version)

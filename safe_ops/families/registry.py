@@ -6,7 +6,7 @@ This module lists them (:data:`SHIPPED`), registers their envelopes (``envelope.
 answers the questions the rest of the pack asks of a family by name: :func:`family`,
 :func:`kernel_of`, :func:`installed_kernels` (what a runtime can run, in ``kernel=sage`` preference
 order, and the quality guard's move-only kernels: :func:`move_only_kernels`), :func:`family_kind`,
-:func:`table_aliases`.
+:func:`table_aliases`, :func:`family_users` (which GPUs and package versions run it, in words).
 
 **Extra families** (tests, the quality guard's fake families, a family under development): the
 environment variable ``SAFESAGE_EXTRA_FAMILIES=module.path[,module.path]`` names modules whose
@@ -31,7 +31,7 @@ from ..facts.kernel_table import arch_tflops, measured_on
 from .envelope import register
 from .family import Kernel, KernelFamily
 from .rules import KvLenRule
-from .sage_dispatch import SAGE1
+from .sage_dispatch import SAGE1, SAGE_VERSIONS, dispatch_archs, gpu_words, sage_family_for, sageattn_users
 
 log = logging.getLogger("SafeSage")
 
@@ -182,3 +182,42 @@ def speed_tflops(arch_name: str, gpu_name: str | None) -> dict:
 def table_aliases() -> dict[str, str]:
     """Families measured under another family's kernel_table.json entry (the same kernel)."""
     return {f.name: f.table_entry for f in _FAMILIES.values() if f.table_entry != f.name}
+
+
+def family_users(name: str) -> str:
+    """Who runs family ``name``, in Preflight's words: the GPUs and sageattention version whose ``sageattn``
+    dispatches to it ("sm_89 (RTX 4090 / L40S) with sageattention 2.2.0"), the comfy-kitchen versions whose
+    ``int8_attention`` it is, and the other archs its build carries where SafeSage calls it directly -- as
+    the quality guard's move target (it drifts less than what ``sageattn`` runs there:
+    :func:`move_only_kernels`) or as a faster kernel kernel_table.json measured there
+    (:func:`installed_kernels`: a candidate ``auto`` and ``sage`` may pick). "" for a family none of these runs."""
+    from .ck_int8 import VERSION_RANGES, ck_family_for
+    f = family(name)
+    parts = []
+    users = sageattn_users(name)
+    if users:
+        parts.append(users)
+    if name in VERSION_RANGES:
+        later = " and any version after 0.2.40 (not read: held to these stricter limits)" \
+            if name == ck_family_for("99.0") else ""
+        parts.append(f"comfy-kitchen {VERSION_RANGES[name]}{later} int8_attention (ComfyUI --use-ck-attention), "
+                     "any GPU")
+    if f is not None and f.kind == "sage" and f.runs_on:
+        ver = SAGE_VERSIONS[0]
+        dispatched = set(dispatch_archs(name, ver))
+        moves, faster = [], []
+        for arch in f.runs_on:
+            if arch in dispatched:
+                continue
+            first = family(sage_family_for(ver, arch))
+            if (first is not None and first.drift_rank is not None and f.drift_rank is not None
+                    and f.drift_rank < first.drift_rank):
+                moves.append(gpu_words(arch))
+            elif name in measured_tflops(f"sm_{arch[0]}{arch[1]}"):
+                faster.append(gpu_words(arch))
+        if moves:
+            parts.append(f"the quality guard's move target on {', '.join(moves)} with sageattention {ver}")
+        if faster:
+            parts.append(f"a candidate SafeSage calls directly on {', '.join(faster)} with sageattention {ver}, "
+                         "where kernel_table.json measured it")
+    return "; ".join(parts)

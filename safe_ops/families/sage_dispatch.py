@@ -44,3 +44,40 @@ def sage_family_for(version: str | None, arch: tuple[int, int] | None) -> str | 
     if v[:2] == (2, 2):
         return _SAGE22_DISPATCH.get(arch)
     return None
+
+
+# ---------------------------------------------------------------------------- in words
+#: GPU models of each compute capability above, as Preflight's report and the demo name them
+GPU_NAMES: dict[tuple[int, int], str] = {
+    (8, 0): "A100 / A30",
+    (8, 6): "RTX 30xx / A40",
+    (8, 9): "RTX 4090 / L40S",
+    (9, 0): "H100 / H200",
+    (12, 0): "RTX 5090 / RTX PRO 6000 Blackwell",
+    (12, 1): "DGX Spark / GB10",
+}
+#: the sageattention versions whose dispatch was read and whose kernels were measured
+SAGE_VERSIONS = ("2.2.0", "1.0.6")
+
+
+def gpu_words(arch: tuple[int, int]) -> str:
+    """``sm_89 (RTX 4090 / L40S)``: an arch as Preflight's report names it."""
+    arch = (int(arch[0]), int(arch[1]))
+    names = GPU_NAMES.get(arch)
+    return f"sm_{arch[0]}{arch[1]}" + (f" ({names})" if names else "")
+
+
+def dispatch_archs(family: str, version: str) -> list[tuple[int, int]]:
+    """The archs of :data:`GPU_NAMES` on which ``sageattn`` of ``version`` runs ``family``."""
+    return [a for a in GPU_NAMES if sage_family_for(version, a) == family]
+
+
+def sageattn_users(family: str) -> str:
+    """Who runs ``family`` through ``sageattn``, in Preflight's words ("sm_89 (RTX 4090 / L40S) with
+    sageattention 2.2.0"); "" when no read sageattention dispatches to it."""
+    parts = []
+    for ver in SAGE_VERSIONS:
+        archs = dispatch_archs(family, ver)
+        if archs:
+            parts.append(", ".join(gpu_words(a) for a in archs) + f" with sageattention {ver}")
+    return "; ".join(parts)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..families.envelope import FAMILIES, check
+from ..families.ck_int8 import VERSION_RANGES
+from ..families.sage_dispatch import GPU_NAMES, SAGE_VERSIONS, gpu_words
 from ..models.h3.dims import (H3_FFN, H3_HEAD_DIM, H3_HEADS, H3_HIDDEN, H3_TEXT_TOKENS, H3Tokens, attention_call_here,
                               h3_frame_count, packed_tokens)
 from ..attention.planner import Plan, choose, plan_for
@@ -44,12 +46,8 @@ def register_families() -> None:
 
 # ---------------------------------------------------------------------------- the scenarios
 # What a CPU-only ComfyUI reports: common GPUs, each with sageattention 2.2 and 1.x.
-COMMON_GPUS = (
-    ((8, 9), "RTX 4090 / L40S"),
-    ((9, 0), "H100 / H200"),
-    ((12, 0), "RTX 5090 / RTX PRO 6000 Blackwell"),
-)
-COMMON_SAGE = ("2.2.0", "1.0.6")
+COMMON_GPUS = tuple((arch, GPU_NAMES[arch]) for arch in ((8, 9), (9, 0), (12, 0)))
+COMMON_SAGE = SAGE_VERSIONS
 
 
 @dataclass(frozen=True)
@@ -106,9 +104,9 @@ def scenarios_for(rt, free_bytes: int | None = None) -> list[Scenario]:
                                     budget, free_bytes, gpu=rt.device_name))
         return out
     out = []
-    for arch, names in COMMON_GPUS:
+    for arch, _ in COMMON_GPUS:
         for ver in COMMON_SAGE:
-            out.append(Scenario(f"{arch_name(arch)} ({names}) with sageattention {ver}", arch, ver,
+            out.append(Scenario(f"{gpu_words(arch)} with sageattention {ver}", arch, ver,
                                 sage_family_for(ver, arch), None))
     return out
 
@@ -176,7 +174,7 @@ def mlp_transient_bytes(S: int, chunk: int, dtype_bytes: int = 2) -> int:
 # ---------------------------------------------------------------------------- comfy-kitchen
 #: what a report without a GPU says about comfy-kitchen's int8_attention (version-dependent
 #: envelopes, the same on every arch: safe_ops/families/ck_int8.py)
-COMMON_CK = (("0.2.36-0.2.40", "ck_int8"), ("0.2.29-0.2.35", "ck_int8_pre236"))
+COMMON_CK = tuple((VERSION_RANGES[f], f) for f in ("ck_int8", "ck_int8_pre236"))
 
 
 @dataclass

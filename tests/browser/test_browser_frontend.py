@@ -22,7 +22,7 @@ import time
 import pytest
 
 from browser import double_click, hide_overlays, ms, next_frames, open_comfy, seconds, wait_socket, wait_until
-from make_ui_workflow import H3, MODELS, QUICK, SPECS
+from make_ui_workflow import H3, H3_720, MODELS, QUICK, SPECS
 from stats_panel import close_sidebar_panel, panel_refreshes, panel_text, wait_panel_refreshed
 from tools.harness.comfy_graphs import canonical_inputs, sd2_graph
 from tools.harness.comfy_server import PACK_DIR_NAME, REPO, comfy_root, has_minimax_h3
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.browser
 # otherwise they go to pytest's tmp dir
 UPDATE = os.environ.get("SAFESAGE_UPDATE_SCREENSHOTS") == "1"
 SCREENSHOT = REPO / "docs" / "safesage_node_in_comfyui.png"
-TEMPLATES = [H3, QUICK]
+TEMPLATES = [H3, H3_720, QUICK]
 STATUS_JS = """(type) => {
     const n = app.graph._nodes.find((x) => x.type === (type || 'SafeSageAttention'));
     const w = n?.widgets?.find((x) => x.name === 'safesage_status');
@@ -203,6 +203,7 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
     stats = comfy.safesage_stats()
     panel = panel_text(page)
     assert panel["total"].startswith("%d attention calls, %d fallbacks" % (stats["attention_calls"], stats["fallbacks"])), panel
+    assert "Totals since ComfyUI started (not per run)" in panel["text"], panel["text"]     # on screen, not a tooltip
     plans = {k[len("plan:"):]: v for k, v in stats.items() if k.startswith("plan:")}
     assert plans and {r[0]: int(r[1]) for r in panel["plans"]} == plans, (panel["plans"], plans)
     assert panel["quality"] == [] and "{" not in panel["text"], panel["text"]     # no raw JSON shown
@@ -220,7 +221,7 @@ def test_node_from_search_status_and_stats(page, comfy, seed, tmp_path):
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_frontend_converts_the_ui_template_to_the_api_copy(page, comfy, name):
     """ComfyUI's own frontend loads each UI template and turns it into the API copy's prompt."""
-    if name == H3 and not has_minimax_h3():
+    if name != QUICK and not has_minimax_h3():
         pytest.skip("the H3 template's node types need a ComfyUI with MiniMax H3 (0dd9b154 or later)")
     ui = json.loads((REPO / "example_workflows" / (name + ".json")).read_text())
     api = json.loads((REPO / "example_workflows" / "api" / (name + ".json")).read_text())
@@ -275,7 +276,7 @@ def test_template_loads_with_no_missing_node_and_thumbnail(page, comfy, name, tm
     missing-node error), its loaders carry the download entries make_ui_workflow.MODELS has; with
     placeholder files of its names, every file widget names a file this server lists (no red
     node), and that canvas is the template's thumbnail."""
-    if name == H3 and not has_minimax_h3():
+    if name != QUICK and not has_minimax_h3():
         pytest.skip("the H3 template's node types need a ComfyUI with MiniMax H3 (0dd9b154 or later)")
     ui = json.loads((REPO / "example_workflows" / (name + ".json")).read_text())
     close_sidebar_panel(page)

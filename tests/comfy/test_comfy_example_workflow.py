@@ -2,27 +2,38 @@
 prompt with this ComfyUI's /object_info, is the graph of its API-format copy (example_workflows/api/);
 the quick-start template runs, on generated tiny models of its own file names (the same
 architectures: a Lotus-D UNet, the SD KL VAE; tools/harness/tiny_models.py) and a small image named
-example.png -- nothing is downloaded; the H3 template validates up to the files this server does not
-have. The H3 template needs a ComfyUI with MiniMax H3 (0dd9b154 or later); elsewhere it skips with the
+example.png -- nothing is downloaded; the H3 templates validate up to the files this server does not
+have. The H3 templates need a ComfyUI with MiniMax H3 (0dd9b154 or later); elsewhere they skip with the
 reason."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
+from safe_ops.facts.versions import version_tuple
 from tools.harness.comfy_graphs import canonical_inputs, stats_delta
 from tools.harness.comfy_server import PACK_DIR_NAME, REPO, execution_error
 
 H3 = "minimax_h3_ref2va_safesage"
+H3_720 = "minimax_h3_ref2va_720p_safesage"
 QUICK = "safesage_quickstart_lotus_depth"
-NAMES = [H3, QUICK]
+H3S = [H3, H3_720]
+NAMES = [H3, H3_720, QUICK]
 FRONTEND_ONLY = {"MarkdownNote", "Note"}      # the frontend's own nodes: never in a prompt
-LOTUS_BROKEN = "0.3.75"                        # its LotusD model config cannot build a Lotus-D UNet
 LOTUS_ERROR = "Either num_heads or num_head_channels has to be set"
+
+
+def declared_minimum() -> str:
+    """The ComfyUI the pack declares it needs (pyproject.toml ``requires-comfyui = ">=X"``): the first tested
+    ComfyUI that runs the quick start (tests/unit/test_example_workflows.py holds README to it)."""
+    m = re.search(r'^"requires-comfyui" = ">=([0-9.]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert m, "pyproject.toml declares no requires-comfyui minimum"
+    return m.group(1)
 
 
 def _load(name: str):
@@ -87,7 +98,7 @@ def _need_types(info: dict, api: dict, name: str) -> None:
     missing = sorted({v["class_type"] for v in api.values()} - set(info))
     if missing:
         pytest.skip("this ComfyUI has no %s node types (%s): the %s template needs COMFYUI_PATH=<0dd9b154 or later>"
-                    % ("MiniMax H3" if name == H3 else "of these", ", ".join(missing), name))
+                    % ("MiniMax H3" if name in H3S else "of these", ", ".join(missing), name))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -109,12 +120,13 @@ def test_ui_workflow_converts_to_the_api_copy(comfy, name):
             assert have[key] == _default(spec[key]), (nid, key)
 
 
-def test_h3_api_copy_validates_up_to_the_missing_files(comfy):
-    """POST /prompt with the H3 API copy: ComfyUI's own validation accepts every node except the
+@pytest.mark.parametrize("name", H3S)
+def test_h3_api_copy_validates_up_to_the_missing_files(comfy, name):
+    """POST /prompt with an H3 API copy: ComfyUI's own validation accepts every node except the
     ones that name model/image files this test server does not have."""
-    _, api = _load(H3)
+    _, api = _load(name)
     info = comfy.object_info()
-    _need_types(info, api, H3)
+    _need_types(info, api, name)
     res = comfy.post_prompt(api)
     assert isinstance(res, dict), "queued although the H3 model files are absent"
     bad = res.get("node_errors", {})
@@ -140,9 +152,11 @@ def test_quickstart_template_runs_headless_on_tiny_models_of_its_names(comfy):
     """The quick-start template's API copy (the UI template's prompt, test above), queued as it is:
     tiny random models of the same architectures under its file names (UNETLoader's
     lotus-depth-d-v1-1.safetensors detected as LotusD; VAELoader's vae-ft-mse-840000-ema-pruned),
-    example.png 64x48. It must finish, save an image, and every attention call of its one Lotus
-    step must have gone through SafeSage (counted by plan). On ComfyUI 0.3.75, which cannot load
-    any Lotus-D UNet, it must fail in the loader with that ComfyUI error."""
+    example.png 64x48. On the declared minimum ComfyUI (pyproject.toml, 0.30.0: the 0dd9b154 pass)
+    and later it must finish, save an image, and every attention call of its one Lotus step must have
+    gone through SafeSage (counted by plan). Below it (ComfyUI 0.3.75, which cannot load any Lotus-D
+    UNet) it must fail in the loader with that ComfyUI error -- so the declared minimum can be neither
+    a tree where the quick start fails nor later than one where it runs."""
     _, api = _load(QUICK)
     info = comfy.object_info()
     _need_types(info, api, QUICK)
@@ -156,10 +170,11 @@ def test_quickstart_template_runs_headless_on_tiny_models_of_its_names(comfy):
     _example_png(comfy.base / "input" / api["3"]["inputs"]["image"])
 
     before = comfy.safesage_stats()
-    if comfy.get_json("/system_stats")["system"]["comfyui_version"] == LOTUS_BROKEN:
+    version = comfy.get_json("/system_stats")["system"]["comfyui_version"]
+    if version_tuple(version) < version_tuple(declared_minimum()):
         # ComfyUI 0.3.75's LotusD config has no num_head_channels: no Lotus-D UNet loads there, a
-        # ComfyUI bug (README: the quick start needs a newer ComfyUI). The template fails as it would
-        # for a user, in the loader, and nothing of SafeSage ran.
+        # ComfyUI bug (README: the quick start needs the declared minimum). The template fails as it
+        # would for a user, in the loader, and nothing of SafeSage ran.
         entry = comfy.queue_and_wait(api)
         err = execution_error(entry) or {}
         assert err.get("node_type") == "UNETLoader" and LOTUS_ERROR in err.get("exception_message", ""), err

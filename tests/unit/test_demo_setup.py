@@ -1,7 +1,7 @@
 """tools/demo.py on a machine without torch: it says what it installs (pin, index, size) before it
 installs anything, takes the CPU wheel index unless SAFESAGE_TORCH_PIP_ARGS says otherwise, and never
 falls back to an unpinned torch. pip is stubbed here (nothing is downloaded); the demo's own output
-carries no NumPy warning and no "16-bit" label."""
+carries no NumPy warning and no "16-bit" label, and labels each kernel family with who runs it."""
 
 from __future__ import annotations
 
@@ -100,3 +100,12 @@ def test_demo_output_has_no_numpy_warning_and_no_16_bit_label():
     assert "NumPy" not in r.stderr, r.stderr
     assert "16-bit" not in r.stdout and "int16" in r.stdout, r.stdout
     assert "quality guard is off" not in r.stdout + r.stderr, r.stdout + r.stderr
+    # every kernel family row of the reporter's graph is labelled with the GPUs and versions that run it,
+    # in Preflight's words (registry.family_users)
+    from safe_ops.families.registry import family_users
+    lines = r.stdout.splitlines()
+    rows = [i for i, line in enumerate(lines) if line.startswith("- ")]
+    assert len(rows) >= 9, r.stdout
+    for i in rows:
+        fam = lines[i][2:].split(":")[0]
+        assert lines[i + 1] == "    used by: " + family_users(fam), (lines[i], lines[i + 1])

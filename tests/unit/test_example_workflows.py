@@ -16,15 +16,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 WF = REPO / "example_workflows"
 H3 = "minimax_h3_ref2va_safesage"
+H3_720 = "minimax_h3_ref2va_720p_safesage"      # the same graph sized for a 16-24 GB card
 QUICK = "safesage_quickstart_lotus_depth"
-NAMES = [H3, QUICK]
+H3S = [H3, H3_720]
+NAMES = [H3, H3_720, QUICK]
+#: each H3 template's size (width, height, length in frames) and reference images
+SIZES = {H3: (1664, 960, 362, 3), H3_720: (1280, 720, 362, 3)}
+H3_STEPS = 20          # what the bug report renders its video with (its repro: 2)
 
 #: the ComfyUI models/ folder each loader reads its file from, and the widget that names it
 LOADERS = {"UNETLoader": ("unet_name", "diffusion_models"), "CLIPLoader": ("clip_name", "text_encoders"),
            "VAELoader": ("vae_name", "vae")}
 KNOWN_DIRECTORIES = {"diffusion_models", "text_encoders", "vae", "checkpoints", "loras", "clip_vision"}
 #: where each template's files come from (the Hugging Face repositories README cites)
-REPOS = {H3: {"Comfy-Org/MiniMax-H3"}, QUICK: {"Comfy-Org/lotus", "stabilityai/sd-vae-ft-mse-original"}}
+REPOS = {H3: {"Comfy-Org/MiniMax-H3"}, H3_720: {"Comfy-Org/MiniMax-H3"}, QUICK: {"Comfy-Org/lotus", "stabilityai/sd-vae-ft-mse-original"}}
 SAFESAGE_DEFAULTS = ["auto", "auto", 16384, "first", False, "balanced", 0, 0]
 FRONTEND_ONLY = {"MarkdownNote", "Note"}      # the frontend's own nodes: never in a prompt
 
@@ -154,6 +159,7 @@ def test_the_note_links_the_same_files(name):
 
 @pytest.mark.parametrize("name,consumers", [
     (H3, ["BasicGuider", "BasicScheduler", "SafeSagePreflight"]),
+    (H3_720, ["BasicGuider", "BasicScheduler", "SafeSagePreflight"]),
     (QUICK, ["BasicGuider", "BasicScheduler"]),
 ])
 def test_safesage_between_loader_and_every_model_consumer(name, consumers):
@@ -169,11 +175,12 @@ def test_safesage_between_loader_and_every_model_consumer(name, consumers):
     assert ss["widgets_values"] == SAFESAGE_DEFAULTS      # all 8 inputs, at their defaults
 
 
-def test_h3_template_holds_preflight_for_its_own_size():
+@pytest.mark.parametrize("name", H3S)
+def test_h3_template_holds_preflight_for_its_own_size(name):
     """SafeSage Preflight reports the graph's own size: width, height and length come from the
     same primitive nodes as the H3 node's; its model is SafeSage's; ref_images counts the
     reference images wired into the H3 node."""
-    ui = load_ui(H3)
+    ui = load_ui(name)
     (pf,), (h3,), (ss,) = (nodes_of(ui, t) for t in ("SafeSagePreflight", "MiniMaxH3ReferenceToVideo",
                                                       "SafeSageAttention"))
     assert source(ui, pf, "model") == (ss, 0)
@@ -183,10 +190,10 @@ def test_h3_template_holds_preflight_for_its_own_size():
         assert src is not None and src == source(ui, h3, k), k
         assert src[0]["type"] == "PrimitiveInt"
         size[k] = src[0]["widgets_values"][0]
-    assert size == {"width": 1664, "height": 960, "length": 362}
+    assert size == dict(zip(("width", "height", "length"), SIZES[name][:3]))
     refs = [i for i in h3["inputs"] if i["name"].startswith("ref_images.") and i.get("link") is not None]
     widgets = dict(zip(["width", "height", "length", "ref_images", "text_tokens"], pf["widgets_values"]))
-    assert widgets["ref_images"] == len(refs) == 3
+    assert widgets["ref_images"] == len(refs) == SIZES[name][3]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -222,6 +229,94 @@ def test_h3_api_copy_is_the_reporters_graph_with_safesage_and_preflight():
     assert size == {"width": 1664, "height": 960, "length": 362}          # the reporter's size
     pf = next(v for v in api.values() if v["class_type"] == "SafeSagePreflight")["inputs"]
     assert all(pf[k] == h3[k] for k in ("width", "height", "length"))
+
+
+def test_720p_template_is_the_reporters_graph_at_1280x720():
+    """The 16-24 GB template is the 1664x960 one with only its size (and output name) changed."""
+    big, small = load_api(H3), load_api(H3_720)
+    assert sorted(big) == sorted(small)
+    changed = {k for k in big if big[k] != small[k]}
+    assert changed == {"40", "41", "15"}, changed            # width, height; SaveVideo's filename
+    assert [small[k]["inputs"]["value"] for k in ("40", "41", "42")] == [1280, 720, 362]
+
+
+@pytest.mark.parametrize("name", H3S)
+def test_h3_templates_render_a_videos_step_count(name):
+    """The H3 templates sample 20 steps, what the bug report renders with (/work/shared's report: "a full
+    20-step run"), not its 2-step repro setting; the note says both."""
+    ui, api = load_ui(name), load_api(name)
+    (sched,) = nodes_of(ui, "BasicScheduler")
+    assert sched["widgets_values"][1] == H3_STEPS
+    assert next(v for v in api.values() if v["class_type"] == "BasicScheduler")["inputs"]["steps"] == H3_STEPS
+    note = _note(name)
+    assert "**Steps**: 20" in note and "set *steps* to 2 to reproduce" in note
+
+
+def _note(name: str) -> str:
+    (note,) = nodes_of(load_ui(name), "MarkdownNote")
+    return note["widgets_values"][0]
+
+
+def _own_tokens(name: str) -> int:
+    """The template's packed token count from the function SafeSage Preflight uses, for the size its
+    own Preflight node reports on (widget values, the primitives' values where they are wired)."""
+    from safe_ops.models.h3.dims import packed_tokens
+    ui = load_ui(name)
+    (pf,) = nodes_of(ui, "SafeSagePreflight")
+    widgets = dict(zip(["width", "height", "length", "ref_images", "text_tokens"], pf["widgets_values"]))
+    return packed_tokens(widgets["width"], widgets["height"], widgets["length"], widgets["ref_images"],
+                         widgets["text_tokens"]).total
+
+
+@pytest.mark.parametrize("name", H3S)
+def test_note_token_count_is_preflights(name):
+    """Each H3 template's note states its token count as SafeSage Preflight computes it (h3.dims.packed_tokens,
+    the function ui/preflight.py's assess() calls), and README's Templates section states the same."""
+    tokens = _own_tokens(name)
+    note = re.sub(r"\s+", " ", _note(name))
+    assert "%s tokens as SafeSage Preflight counts them" % f"{tokens:,}" in note, (tokens, note)
+    assert len(re.findall(r"[0-9]{1,3}(?:,[0-9]{3})+ tokens as SafeSage Preflight", note)) == 1
+    readme = re.sub(r"\s+", " ", (REPO / "README.md").read_text())
+    assert "%s tokens as SafeSage Preflight counts them" % f"{tokens:,}" in readme, tokens
+
+
+def test_the_reporters_graph_is_173062_tokens_with_its_references():
+    """Issue 48: with its 3 reference images the reporter's size is 173,062 tokens (168,382 without)."""
+    assert _own_tokens(H3) == 173_062
+    from safe_ops.models.h3.dims import packed_tokens
+    assert packed_tokens(1664, 960, 362, 0).total == 168_382
+
+
+def test_the_720p_note_quotes_the_length_measurement():
+    """The 16-24 GB template's size is one the 24 GiB length measurement completed with room to spare, and
+    its note quotes that measurement's numbers and says what kind of measurement it is."""
+    m = json.loads((REPO / "bench" / "results" / "max_length_h100.json").read_text())
+    b = m["budgets"]["24"]
+    arms = b["arms"]
+    assert (m["width"], m["height"], b["free_gib"], m["blocks"]) == (1280, 720, 24.0, 8)
+    note = re.sub(r"\s+", " ", _note(H3_720))
+    assert ("with 24 GiB free, SafeSage completed 1280x720 up to %d frames (%s tokens), unguarded SageAttention "
+            "up to %d" % (arms["safesage"]["max_frames"], f"{arms['safesage']['max_tokens']:,}",
+                          arms["sage"]["max_frames"])) in note, note
+    assert "8-block emulated measurement" in note and "A 16 GB card is not measured" in note
+    assert _own_tokens(H3_720) <= arms["safesage"]["max_tokens"] // 2 + 1000       # "half those tokens"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_note_says_what_the_template_needs(name):
+    """Each note: the ComfyUI it needs (the declared minimum), the downloads with a size each and their
+    total, the card it was sized for, and the time per step (measured or said to be not)."""
+    note = re.sub(r"\s+", " ", _note(name))
+    minimum = re.search(r'^"requires-comfyui" = ">=([0-9.]+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert "**Needs**: ComfyUI %s" % minimum.group(1) in note
+    assert re.search(r"\*\*Downloads, about [0-9.]+ GB\*\*", note)
+    bullets = _note(name).split("\n- ")[1:]
+    for n in load_ui(name)["nodes"]:
+        for e in n.get("properties", {}).get("models", []):
+            (bullet,) = [b for b in bullets if "[%s](" % e["name"] in b]
+            assert re.match(r"[a-z_]+, (?:about )?[0-9.]+ [GM]B", bullet), bullet      # folder, size: link
+    assert "Sized for" in note or "for a 16-24 GB card" in note
+    assert "Time per step" in note
 
 
 def test_quickstart_api_copy_runs_lotus_through_safesage():

@@ -216,7 +216,8 @@ def test_the_committed_cost_json_is_what_its_command_makes_from_its_rows(name, t
 def test_the_committed_figures_did_not_move():
     """The regenerated JSONs keep the measured numbers: the old 30-step figures are those committed
     before issue 46 (0.31 % / 0.35 % from the 2nd prompt, 0.12 % at 169k), now under their own keys."""
-    d38 = _committed("quality_guard_cost_38k_h100.json")
+    # the 38k figures of that run are kept under "before" (its doc) since the drifting-checkpoint run replaced them
+    d38 = _committed("quality_guard_cost_38k_h100.json")["before"]["doc"]
     assert d38["paths"]["sage22_sm120"]["probe_overhead_fraction_30_steps_before"] == 0.0031
     assert d38["paths"]["sage22_sm89"]["probe_overhead_fraction_30_steps_before"] == 0.0035
     assert d38["paths"]["sage22_sm120"]["per_prompt"][1]["step1_s"] == {

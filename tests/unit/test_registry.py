@@ -94,7 +94,9 @@ def test_archive_holds_the_pack():
     files = set(shipped_files())
     must = {"__init__.py", "LICENSE", "README.md", "pyproject.toml", "web/safesage.js", "web/safesage.svg",
             "example_workflows/minimax_h3_ref2va_safesage.json", "example_workflows/minimax_h3_ref2va_safesage.jpg",
-            "example_workflows/api/minimax_h3_ref2va_safesage.json", "safe_ops/facts/kernel_table.json"}
+            "example_workflows/api/minimax_h3_ref2va_safesage.json", "safe_ops/facts/kernel_table.json",
+            "example_workflows/minimax_h3_ref2va_720p_safesage.json", "example_workflows/minimax_h3_ref2va_720p_safesage.jpg",
+            "example_workflows/api/minimax_h3_ref2va_720p_safesage.json"}
     assert must <= files, sorted(must - files)
     for pkg in ("nodes", "safe_ops"):
         tracked = {p.relative_to(REPO).as_posix() for p in (REPO / pkg).rglob("*.py")}
