@@ -192,14 +192,12 @@ def signature(func: Any, a: tuple, kwargs: dict, alignment: bool = True) -> tupl
     if type(q) is not T or type(k) is not T or type(v) is not T or type(heads) is not int or (
             mask is not None and not isinstance(mask, T)):
         return None
-    if not alignment:
-        return (id(func), heads, mask is None, a[6], a[7], kwargs.get("low_precision_attention", True) is not False,
-                q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-                q.device, k.device, v.device)
-    return (id(func), heads, mask is None, a[6], a[7], kwargs.get("low_precision_attention", True) is not False,
-            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.device, k.device, v.device,
-            q.data_ptr() & ALIGN_MASK, k.data_ptr() & ALIGN_MASK, v.data_ptr() & ALIGN_MASK)
+    key = (id(func), heads, mask is None, a[6], a[7], kwargs.get("low_precision_attention", True) is not False,
+           q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.device, k.device, v.device)
+    if alignment:
+        return key + (q.data_ptr() & ALIGN_MASK, k.data_ptr() & ALIGN_MASK, v.data_ptr() & ALIGN_MASK)
+    return key
 
 
 def normalise(args: tuple, kwargs: dict) -> Normalised:
@@ -225,8 +223,8 @@ def read_form(a: tuple, kwargs: dict) -> CallForm:
         raise UnsupportedCall(f"heads must be a positive int, got {heads!r}") from None
     if heads < 1:
         raise UnsupportedCall(f"heads must be a positive int, got {heads!r}")
-    dq = q.get_device()                      # an int: cheaper than building torch.device objects
-    if dq != k.get_device() or dq != v.get_device():
+    dq = q.device                            # devices, not get_device(): a CPU and a meta tensor both say -1
+    if dq != k.device or dq != v.device:
         raise UnsupportedCall("q, k and v are on different devices")
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise UnsupportedCall(f"q/k/v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")

@@ -31,9 +31,9 @@ The order is ``[planned, target, ...]``:
 from __future__ import annotations
 
 from ..families.registry import family, installed_kernels, measured_tflops, speed_tflops
+from . import COMFY
 from .kernel_choice import policy_order
 
-COMFY = "sdpa"          # ComfyUI's own attention (the family name SafeSage gives it)
 COMFY_WORDS = "ComfyUI's own attention"
 
 #: ``KernelFamily.drift_rank``: how far a family's error rises on H3's late-block outlier channels,
@@ -103,14 +103,20 @@ def move_order(planned: str | None, families: list[str], arch_name: str, gpu_nam
     return [planned] + ranked + extra
 
 
+def planning_families(kernels) -> list[str]:
+    """The families a plan may use among ``kernels`` (Kernel objects, in installed order): all but
+    ComfyUI's own and the quality guard's move-only kernels (registry.move_only_kernels), which a
+    block only moves to. The one filter (``PlanChoice.planning_families``, :func:`runtime_move_order`)."""
+    return [k.family for k in kernels if k.family != COMFY and not getattr(k, "move_only", False)]
+
+
 def runtime_move_order(kernel_policy: str, rt, comfy_choice: str | None, kernels: list | None = None) -> list[str]:
     """:func:`move_order` for a node with ``kernel_policy`` on ``rt`` (default kernels: what is installed
     there, registry.installed_kernels) when ComfyUI was started with ``comfy_choice`` ("sage", "ck" or
     None): what Preflight reports (a patched model's own override answers ``quality_order``)."""
     kernels = installed_kernels(rt) if kernels is None else kernels
     names = [k.family for k in kernels if k.family != COMFY]
-    planning = [k.family for k in kernels if k.family != COMFY and not getattr(k, "move_only", False)]
-    planned = policy_order(kernel_policy, rt.arch_name, planning, comfy_choice, rt.device_name)[0]
+    planned = policy_order(kernel_policy, rt.arch_name, planning_families(kernels), comfy_choice, rt.device_name)[0]
     return move_order(planned, names, rt.arch_name, rt.device_name, kernel_policy)
 
 

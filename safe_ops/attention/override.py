@@ -334,7 +334,7 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
                 if i:
                     quality_guard.runs_now(st, n.block, p.klass, fam)
                 return None
-            got = plan if fam == plan.kernel else self._family_plan(p, fam, p.device)
+            got = plan if fam == plan.kernel else self._family_plan(p, fam)
             if got is not None:
                 if i:
                     quality_guard.runs_now(st, n.block, p.klass, fam)
@@ -345,19 +345,10 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
             if st.fell.get((n.block, p.klass)) is None:      # said once per block, the reason read only then
                 run_stats.once(("quality-moved-fallback", fam, p.klass), logging.WARNING,
                                "SafeSage quality guard: %s cannot run the calls of %s moved to it (%s); they run %s "
-                               "instead", fam, p.shape_key, self._why_not(fam, p),
+                               "instead", fam, p.shape_key, self.why_unusable(fam, p.call) or "outside its limits",
                                next((f for f in fams[i + 1:] if f != "sdpa"), "ComfyUI's own attention"))
         quality_guard.runs_now(st, n.block, p.klass, "sdpa")
         return None
-
-    def _why_not(self, family: str, p: Prepared) -> str:
-        """Why ``family`` cannot run ``p``'s calls (a log line's words)."""
-        if family in self.broken:
-            return f"switched off: {self.broken[family]}"
-        bad = self.verifier.known_bad(self._class_key(family, p.call)) if family in self.kernels else None
-        if bad is not None:
-            return f"failed its check on this class of call: {bad.detail}"
-        return "outside its limits or not installed"
 
     @staticmethod
     def _call_key(n: Normalised, func: Callable | None) -> tuple:
@@ -432,8 +423,7 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         elif scope == "class":
             run_stats.failed_check(f"{fam} on {self.rt.arch_name} {p.shape_key}", why)
         if scope == "call":
-            with self._cache_lock:       # under the compiler: this run chooses again at the next call
-                p.run.pop(compiler.run_id(), None)
+            self._forget_run(p)          # under the compiler: this run chooses again at the next call
             run_stats.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")
             run_stats.once(("kernel-call", fam, p.shape_key, why[:80]), logging.WARNING,
                         "SafeSage: %s for %s; this call is recomputed with ComfyUI's own attention.", why,

@@ -1,6 +1,8 @@
-"""The override's choice and its caches: which kernel families a call may use, the plan prepared
-once per call signature (:class:`Prepared`), and that plan under the memory budget *now* (a plan
-per budget bucket, and under ComfyUI's allocation compiler one per sampling run).
+"""The override's choice and its caches: which kernel families a call may use (:meth:`PlanChoice.usable`,
+the one rule), the plan prepared once per call signature (:class:`Prepared`), and a call's plan under
+the memory budget *now*: one mechanism (:meth:`PlanChoice._within_budget`, a :class:`Ladder` of plans by
+budget, and under ComfyUI's allocation compiler one plan per sampling run) for a signature's planned
+families, the family the quality guard moved a block to, and a candidate it measures on sampled rows.
 
 A mixin of :class:`~.override.SafeAttention` (which holds ``policy``, ``rt``, ``kernels``, the
 verifier and the caches these methods fill); the call flow itself is in override.py.
@@ -23,7 +25,7 @@ from .call_forms import Normalised, describe_tensor, dtype_name
 from .comfy_functions import unguarded_kind
 from .errors import is_cuda_error, is_oom
 from .kernel_choice import comfy_attention_choice, policy_order, pricing_tflops
-from .move_order import move_order
+from .move_order import move_order, planning_families
 from .planner import Plan, choose
 from .verification import class_key
 
@@ -32,24 +34,33 @@ _NONE = object()   # by_family: this family cannot run the signature (kept, so i
 
 
 @dataclass
-class Prepared:
-    """Everything per call signature that the hot path needs, computed once."""
-    plan: Plan                        # chosen under the budget read when the signature was new
+class Ladder:
+    """One call's plans under the memory budget (:meth:`PlanChoice._within_budget`): the plan chosen
+    first, the plans by the budget each was chosen under (budget.plan_on_ladder), the plan kept per
+    sampling run under ComfyUI's compiler. A signature's (:class:`Prepared`), a moved block's family's
+    and a measured candidate's (``Prepared.by_family``)."""
+    plan: Plan                        # chosen under the budget read when the ladder was made
     call: AttnCall
+    envelopes: list                   # the kernels' envelopes, in preference order ([]: the plan never moves)
+    by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
+    device: Any = None                # the calls' device (part of the signature): read once, not per call
+    tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans (None: the speed budget
+                                      # planned its family, re-planned first; moved families, candidates)
+    run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
+
+
+@dataclass(kw_only=True)
+class Prepared(Ladder):
+    """Everything per call signature that the hot path needs, computed once: its ladder and more."""
     shape_key: str
     count_key: str
-    envelopes: list                   # the candidate kernels' envelopes, in preference order
-    by_budget: dict                   # budget bucket -> plan chosen under it (see _within_budget)
     class_keys: dict                  # kernel family -> verifier class key of this call
-    tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans
-    run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
     previous_viol: list | None = None  # the chained override's kernel's violations by this call
     klass: str = ""                  # the class of call the quality guard keys its choices by
-    by_family: dict = field(default_factory=dict)  # quality guard: (family, budget or run) -> plan
+    by_family: dict = field(default_factory=dict)  # quality guard: family (moved) or ("rows", family, r) -> Ladder
     func: Any = None                  # ComfyUI's function the signature was planned for (its id is in the key)
     form: Any = None                  # call_forms.CallForm: how the next call of the signature is read
     cuda: bool = False                # a CUDA call (asked whether it is being captured)
-    device: Any = None                # the calls' device (part of the signature): read once, not per call
     fixed: bool = False               # the plan never moves with the budget (a fixed budget, none off CUDA, SDPA first)
     checked: set = field(default_factory=set)  # families whose class of this call has a verdict (not asked again)
     never_guarded: bool = False       # no guarded kernel takes this signature under any budget
@@ -90,9 +101,8 @@ class PlanChoice:
         return policy_order("auto", self.rt.arch_name, sage, choice, self.rt.device_name)
 
     def planning_families(self) -> list[str]:
-        """The kernel families a plan may use here (installed, non-SDPA), in ``kernel=sage`` order:
-        every kernel but the quality guard's move-only ones (registry.move_only_kernels)."""
-        return [f for f, k in self.kernels.items() if f != "sdpa" and not getattr(k, "move_only", False)]
+        """The kernel families a plan may use here, in ``kernel=sage`` order (move_order.planning_families)."""
+        return planning_families(self.kernels.values())
 
     def _budget(self, device: torch.device) -> int | None:
         """Bytes a plan may use now (copies, merge state, kernel temporaries), or None (no limit):
@@ -101,15 +111,15 @@ class PlanChoice:
             return self.policy.max_extra_bytes
         return self._budget_reader(device)
 
-    def _within_budget(self, p: "Prepared") -> Plan:
-        """The plan for this signature under the budget *now*. A plan that still fits is kept;
-        free memory crossing budget buckets re-plans only where no plan this signature already
-        has fits (memory really shrank), or where a degraded plan (SDPA under pressure, smaller
-        launches) meets twice the memory it was planned for (budget.plan_on_ladder's rule).
-        A fixed budget (the policy's) never moves. Under ComfyUI's allocation compiler the plan
-        chosen at a signature's first call of a sampling run is kept for the whole run (another
-        plan on a later step would allocate differently: a graph break). The device is the
-        signature's (``p.device``: the call's, read once)."""
+    def _within_budget(self, p: Ladder) -> Plan:
+        """The plan of ``p`` (a signature's, a moved block's family's, a candidate's) under the budget
+        *now*. A plan that still fits is kept; free memory crossing budget buckets re-plans only
+        where no plan on the ladder fits (memory really shrank), or where a degraded plan (SDPA
+        under pressure, smaller launches) meets twice the memory it was planned for
+        (budget.plan_on_ladder's rule). A fixed budget (the policy's) never moves. Under ComfyUI's
+        allocation compiler the plan chosen at the first call of a sampling run is kept for the
+        whole run (another plan on a later step would allocate differently: a graph break). The
+        device is the calls' (``p.device``, read once)."""
         if self.policy.max_extra_bytes is not None or not p.envelopes:
             return p.plan
         device = p.device
@@ -121,28 +131,48 @@ class PlanChoice:
             return plan
         return self._by_budget(p, self._budget(device))
 
-    def _by_budget(self, p: "Prepared", budget: int | None) -> Plan:
-        """``p.by_budget`` is the signature's plan ladder (budget -> the plan chosen under it):
-        a plan on it when budget.plan_on_ladder finds one, else planned again for the budget now
-        and added. Every such ``choose`` is a re-plan: counted (``replans``) with the
-        microseconds it stalled the call (``replan_us``)."""
+    def _by_budget(self, p: Ladder, budget: int | None) -> Plan:
+        """``p.by_budget`` is the plan ladder (budget -> the plan chosen under it): a plan on it
+        when budget.plan_on_ladder finds one, else planned again for the budget now and added."""
         if budget is None:                   # off CUDA: no budget, nothing to re-check
             return p.plan
         held = plan_on_ladder(p.by_budget, budget)
         if held is not None:
             return held
-        t0 = time.perf_counter()
-        new = choose(p.call, p.envelopes, budget, p.tflops)
-        stalled_us = int((time.perf_counter() - t0) * 1e6)
+        new = self._replan(p.call, p.envelopes, budget, p.tflops)
         with self._cache_lock:
             p.by_budget[budget] = new
-        run_stats.count("replans")
-        run_stats.count("replan_us", stalled_us)
         if new != p.plan:
             run_stats.once(("replan", p.plan, budget), logging.INFO,
                            "SafeSage: memory budget now %.0f MiB: %s instead of %s", budget / 2**20,
                            new.describe(False), p.plan.describe(False))
         return new
+
+    @staticmethod
+    def _replan(call: AttnCall, envelopes: list, budget: int | None, tflops: dict | None) -> Plan:
+        """``planner.choose`` after a signature's first plan (a rung added to a ladder, a moved block's
+        family's or a candidate's first plan): counted (``replans``) with the microseconds it
+        stalled the call (``replan_us``)."""
+        t0 = time.perf_counter()
+        new = choose(call, envelopes, budget, tflops)
+        run_stats.count("replans")
+        run_stats.count("replan_us", round((time.perf_counter() - t0) * 1e6))
+        return new
+
+    def _ladder(self, call: AttnCall, envelope, device: torch.device) -> Ladder:
+        """A ladder of one family's plans for ``call`` (a moved block's, a candidate's rows), its first
+        plan chosen under the budget now (counted: :meth:`_replan`)."""
+        budget = self._budget(device)
+        plan = self._replan(call, [envelope], budget, None)
+        return Ladder(plan, call, [envelope], {} if budget is None else {budget: plan}, device)
+
+    def _forget_run(self, p: "Prepared") -> None:
+        """Under the compiler: the calling thread's run chooses its plans for ``p`` again at the next call
+        (a launch ran out of memory), the moved blocks' and candidates' too."""
+        rid = compiler.run_id()
+        with self._cache_lock:
+            for lad in [p] + [x for x in p.by_family.values() if x is not _NONE]:
+                lad.run.pop(rid, None)
 
     def _remember(self, cache: dict, key: Any, value: Any, keep: int | None = None) -> Any:
         """``cache[key] = value``, trimmed to the store's bound, under the cache lock (another
@@ -172,6 +202,10 @@ class PlanChoice:
         policy_plan = plan
         # the quality setting's speed budget: the least-error family within it runs from step 1 (speed_budget.py)
         plan, envelopes, costs = self.within_budget_plan(call, plan, envelopes, budget)
+        if plan is not policy_plan:
+            # the speed budget's family heads the envelopes: its ladder re-plans it first, unpriced (priced,
+            # choose would take the policy's faster family at the first re-plan: the budget's choice lost)
+            tflops = None
         key = shape_key(call, n)
         run_stats.remember_plan(key, plan.describe())
         # only sage candidates can change with the budget (SDPA chosen first needs none)
@@ -182,10 +216,9 @@ class PlanChoice:
         # SDPA now, and with no limit on memory too: no budget makes a guarded kernel take it
         never = plan.kind == "sdpa" and (budget is None or not envelopes
                                          or choose(call, envelopes, None, tflops).kind == "sdpa")
-        return Prepared(plan, call, key, f"plan:{plan.kind}", envelopes,
-                        {} if budget is None else {budget: plan}, {}, tflops, klass=klass, func=func,
-                        form=n.form, cuda=n.q4.is_cuda, device=q.device,
-                        fixed=budget is None or not envelopes or never,
+        return Prepared(plan, call, envelopes, {} if budget is None else {budget: plan}, q.device, tflops,
+                        shape_key=key, count_key=f"plan:{plan.kind}", class_keys={}, klass=klass, func=func,
+                        form=n.form, cuda=n.q4.is_cuda, fixed=budget is None or not envelopes or never,
                         never_guarded=never, fallback_reason="; ".join(plan.reasons),
                         policy_plan=policy_plan if plan is not policy_plan else None, costs=costs)
 
@@ -230,43 +263,59 @@ class PlanChoice:
         return self._budget(device)
 
     def usable(self, family: str, call: AttnCall) -> bool:
-        """Whether ``family`` may run ``call``'s class of call here: installed, not switched off for
-        this GPU arch and build (the kill switch, :attr:`broken`), and without a failed first-call
-        check for this class (the verifier's known-bad verdicts). ComfyUI's own is always usable.
+        """Whether ``family`` may run ``call``'s class of call here (:meth:`why_unusable` says no reason).
         The one rule for a planned family (:meth:`_prepare`), a block the quality guard moved
-        (:meth:`_family_plan`) and a candidate it measures (:meth:`run_family_rows`)."""
-        if family == "sdpa":
-            return True
-        return (family in self.kernels and family not in self.broken
-                and not self.verifier.known_bad(self._class_key(family, call)))
+        (:meth:`_family_plan`), a candidate it measures (:meth:`run_family_rows`) and a plan run during
+        CUDA-graph capture (special_calls)."""
+        return not self.why_unusable(family, call)
 
-    def _family_plan(self, p: "Prepared", family: str, device: torch.device) -> Plan | None:
-        """The plan of ``family`` alone for this signature (a block the quality guard moved), within
-        the budget; None when that family cannot run it -- outside its limits, switched off, or its
-        first-call check failed for this class of call (:meth:`usable`). Asked again after any such
-        failure: a failed check or a kill switch clears the prepared signatures (``_fall_back``),
-        so this signature's cached family plans go with them."""
-        slot = compiler.run_id() if compiler.enabled_now(device) else self._budget(device)
-        plan = p.by_family.get((family, slot))
-        if plan is None:
-            kern = self.kernels.get(family)
-            if kern is None or not self.usable(family, p.call):
-                plan = _NONE
-            else:
-                plan = choose(p.call, [kern.envelope], self._budget(device), None)
-            self._remember(p.by_family, (family, slot), plan, RUNS_KEPT)
-        return None if plan is _NONE or plan.kind == "sdpa" else plan
+    def why_unusable(self, family: str, call: AttnCall) -> str:
+        """Why ``family`` may not run ``call``'s class of call here, "" where it may: installed, not
+        switched off for this GPU arch and build (the kill switch, :attr:`broken`), and without a
+        failed first-call check for this class (the verifier's known-bad verdicts). ComfyUI's own is
+        always usable."""
+        if family == "sdpa":
+            return ""
+        if family not in self.kernels:
+            return "not installed here"
+        off = self.broken.get(family)
+        if off is not None:
+            return f"switched off: {off}"
+        bad = self.verifier.known_bad(self._class_key(family, call))
+        return f"failed its check on this class of call: {bad.detail}" if bad is not None else ""
+
+    def _family_plan(self, p: "Prepared", family: str) -> Plan | None:
+        """The plan of ``family`` alone for this signature (a block the quality guard moved) under the
+        budget now, from its own :class:`Ladder` (:meth:`_within_budget`, as the signature's plan);
+        None when that family cannot run it -- outside its limits, or not :meth:`usable`. Asked again
+        after a failed check or a kill switch: those clear the prepared signatures (``_fall_back``),
+        and this signature's family ladders with them."""
+        lad = p.by_family.get(family)
+        if lad is None:
+            ok = self.usable(family, p.call)
+            lad = self._remember(p.by_family, family,
+                                 self._ladder(p.call, self.kernels[family].envelope, p.device) if ok else _NONE)
+        if lad is _NONE:
+            return None
+        plan = self._within_budget(lad)
+        return None if plan.kind == "sdpa" else plan
 
     def run_family_rows(self, family: str, n: Normalised, q_rows: torch.Tensor):
         """``family`` on query rows ``q_rows`` [B,H,r,D] against all of the call's keys (the quality
         guard's candidate measurement); None when it cannot run them (outside its limits, or it
         raised: counted)."""
-        kern = self.kernels.get(family)
-        if kern is None or not self.usable(family, n.prepared.call if n.prepared is not None else self._describe(n)):
+        p = n.prepared
+        if not self.usable(family, p.call if p is not None else self._describe(n)):
             return None                   # switched off, or failed its check on this class of call
         rows = n.with_queries(q_rows)
-        call = self._describe(rows)
-        plan = choose(call, [kern.envelope], self._budget(q_rows.device), None)
+        # the rows call is the signature's with r fresh query rows: one ladder per (family, r)
+        key = ("rows", family, q_rows.shape[2])
+        lad = p.by_family.get(key) if p is not None else None
+        if lad is None:
+            lad = self._ladder(self._describe(rows), self.kernels[family].envelope, q_rows.device)
+            if p is not None:
+                self._remember(p.by_family, key, lad)
+        plan = self._within_budget(lad)
         if plan.kind == "sdpa":
             return None
         try:

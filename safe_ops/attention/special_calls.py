@@ -16,9 +16,11 @@ ComfyUI's function in either case, counted on the host.
   at run time. Without ``torch.library.custom_op`` such calls run ComfyUI's function (said once).
 * **CUDA-graph capture** (``torch.cuda.is_current_stream_capturing()``, e.g. ComfyUI's
   model_prefetch ``enable_graph``): no stream hop, no probe, no budget read, no host sync. A
-  call whose signature was planned earlier, on a family that launches on the caller's stream
-  and whose class is already verified, runs that plan; every other call runs ComfyUI's own
-  function. Counted (``captured_calls``, ``captured_guarded``) and said once.
+  call whose signature was planned earlier, on a family that launches on the caller's stream,
+  whose class is already verified and that may still run it (``PlanChoice.usable``), runs that
+  plan; every other call runs ComfyUI's own function. The quality guard's choices do not apply here:
+  a block it moved (and an exact step) runs the signature's planned kernel. Counted
+  (``captured_calls``, ``captured_guarded``) and said once.
 * **Nested SafeSage** (another SafeSage is chained below the outermost one, e.g. through a
   foreign override): the outermost decides. It sets the ContextVar :data:`INSIDE` while the
   override it chained runs (and under torch.compile, where no ContextVar is read, passes the
@@ -142,7 +144,8 @@ class ContextCalls:
             func = self._layer_function(kwargs, func)
         run_stats.once(("capture",), logging.INFO, "SafeSage: attention calls during CUDA-graph capture run a "
                     "same-stream kernel planned and verified earlier, else ComfyUI's own function (no stream "
-                    "hop, no check, no memory read)")
+                    "hop, no check, no memory read); the quality guard's choices do not apply there: blocks "
+                    "it moved run their planned kernel")
         a = call_arguments(args, kwargs)
         try:
             n = read_form(a, kwargs).bind(a, kwargs)
@@ -180,7 +183,7 @@ class ContextCalls:
         if plan.kind == "sdpa" or kern is None or kern.envelope.launches_on_legacy_stream:
             return None                 # ComfyUI's own, or a kernel that would need a stream hop
         ck = p.class_keys.get(plan.kernel)
-        if (ck is None or self.verifier.needs_probe(ck) or self.verifier.known_bad(ck)
-                or plan.kernel in self.broken):
+        # checked earlier (no check runs under capture), and may run it: the one rule (PlanChoice.usable)
+        if ck is None or self.verifier.needs_probe(ck) or not self.usable(plan.kernel, p.call):
             return None
         return plan

@@ -42,12 +42,13 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from ..attention import COMFY   # ComfyUI's own attention (the family name SafeSage gives it)
+
 QUALITY = ("faults only", "balanced", "strict")
 DEFAULT_QUALITY = "balanced"
 BALANCED_FACTOR = 4.4
 STRICT_FACTOR = 2.0
 STRICT_ERROR = 0.02
-COMFY = "sdpa"          # ComfyUI's own attention (the family name SafeSage gives it)
 #: a family's ceiling where the caller names none: the default fault tolerance (families.family)
 DEFAULT_CEILING = 0.12
 #: a family's ceiling: this many times its error on random H3-shaped inputs (:func:`family_ceiling`) --
