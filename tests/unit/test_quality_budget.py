@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.unit.test_quality_guard import (BENIGN, H, NB, OUTLIERS, SDPA, blocks, end_run,  # noqa: E402
+from test_quality_guard import (BENIGN, H, NB, OUTLIERS, SDPA, blocks, end_run,  # noqa: E402
                                            fake_sage_out, schedule, stats)
 
 

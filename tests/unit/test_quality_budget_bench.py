@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bench import quality_budget as qb  # noqa: E402
-from tests.unit.test_quality_budget import speeds  # noqa: E402,F401 (the fixture)
+from test_quality_budget import speeds  # noqa: E402,F401 (the fixture)
 
 
 @pytest.fixture
