@@ -28,7 +28,10 @@ BLOCK_NAME = "double_block"
 
 
 class BaseBlock:
-    """The original block, marked as the base model's own while it runs (:data:`BASE_KEY`)."""
+    """The original block, marked as the base model's own while it runs (:data:`BASE_KEY`). Nothing of
+    SafeSage's runs after the block has started but the plain unmarking, so an error of SafeSage's here
+    is raised before the block ran: :class:`BlockIndex` contains it and runs the block unmarked. The
+    block's own errors pass through."""
 
     def __init__(self, index: int, original: Callable):
         self.index = index
@@ -36,13 +39,14 @@ class BaseBlock:
 
     def __call__(self, args: dict) -> Any:
         to = args.get("transformer_options")
-        if not isinstance(to, dict):
-            return self.original(args)
-        to[BASE_KEY] = self.index
+        marked = isinstance(to, dict)
+        if marked:
+            to[BASE_KEY] = self.index
         try:
-            return self.original(args)
+            return contain.run_comfy(self.original, args)
         finally:
-            to[BASE_KEY] = None
+            if marked:
+                to[BASE_KEY] = None
 
 
 class BlockIndex:
@@ -63,10 +67,24 @@ class BlockIndex:
             self.mark(args)
         except Exception as e:  # noqa: BLE001 - see contain.py
             contain.internal_error(e, "the H3 block index", "this block's calls are told apart by call order")
-        base = BaseBlock(self.index, extra["original_block"])
-        if self.previous is not None:
-            return self.previous(args, {**extra, "original_block": base})
-        return base(args)
+        original = extra["original_block"]
+        try:
+            base = BaseBlock(self.index, original)
+        except Exception as e:  # noqa: BLE001 - see contain.py
+            contain.internal_error(e, "marking the H3 base block", "this block's calls run as planned, unmeasured")
+            base = original
+        try:
+            if self.previous is not None:
+                return contain.run_comfy(self.previous, args, {**extra, "original_block": base})
+            return base(args)
+        except Exception as e:
+            if contain.not_ours(e):
+                raise                     # the block's (or the chained replacement's) own error
+            # SafeSage's, raised before the block ran (BaseBlock runs none of SafeSage's code after it starts)
+            contain.internal_error(e, "the H3 block index", "the block runs unmarked")
+            if self.previous is not None:
+                return contain.run_comfy(self.previous, args, extra)
+            return contain.run_comfy(original, args)
 
     def mark(self, args: dict) -> None:
         to = args.get("transformer_options")

@@ -103,8 +103,14 @@ _GENERATOR_FLAGS = 0x20 | 0x80 | 0x200      # CO_GENERATOR, CO_COROUTINE, CO_ASY
 
 def _pack_functions():
     """Every live function object whose code is the pack's (module functions, methods, closures)."""
-    return [o for o in gc.get_objects()
-            if isinstance(o, types.FunctionType) and pack_rel(o.__code__.co_filename) is not None]
+    return [o for o in gc.get_objects() if _is_pack_function(o)]
+
+
+def _is_pack_function(o) -> bool:
+    try:
+        return isinstance(o, types.FunctionType) and pack_rel(o.__code__.co_filename) is not None
+    except ReferenceError:      # a dead weakref.proxy among gc's objects (torch.compile leaves some)
+        return False
 
 
 def _children(code):
