@@ -72,7 +72,7 @@ TIP_QUALITY = (
     "forgets). Measuring costs 0.46-0.53% of a 20-step prompt (4.6-5.3% of a 2-step one) in a ComfyUI that "
     "has run a prompt before, 0.78% (7.8%) in its first prompt on the RTX 40xx path (an H100 at 38k tokens, "
     "RTX dispatch emulated; the 50xx path's first prompt there, 13.6%, carried the H100's one-time compile of "
-    "the kernels, which an RTX card does not pay); a prompt with remembered errors is not timed on a GPU yet. "
+    "the kernels, which an RTX card does not pay); a prompt with remembered errors runs no measurement. "
     "strict: a 50% budget; the target is 2x the median and at most 0.02. "
     "faults only: nothing measured; the kernel policy's choice runs (crash and noise guards only). "
     "Per block in /safesage/stats."
