@@ -51,12 +51,16 @@ def test_in_a_running_comfyui_the_route_goes_on_its_prompt_server(comfy_importab
     import comfy.model_management  # noqa: F401 - what ComfyUI's main.py has imported by now
     added = []
 
-    class Routes:
+    class Routes:                      # aiohttp's RouteTableDef, as PromptServer.routes has it
         def get(self, path):
-            return lambda handler: added.append((path, handler))
+            return lambda handler: added.append(("GET", path, handler))
+
+        def post(self, path):
+            return lambda handler: added.append(("POST", path, handler))
     ps = types.SimpleNamespace(instance=types.SimpleNamespace(routes=Routes()))
     monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=ps))
     pack = _import_pack("safesage_pack_test_b")
     assert "comfy_entrypoint" in pack.__all__
     assert pack.nodes.routes._registered is True
-    assert [p for p, _ in added] == [pack.nodes.routes.STATS_PATH]
+    assert [(m, p) for m, p, _ in added] == [("GET", pack.nodes.routes.STATS_PATH),
+                                             ("POST", pack.nodes.routes.FORGET_PATH)]
