@@ -30,7 +30,9 @@ const TAB_TOOLTIP = "SafeSage run statistics";
 // the step-1 measurement's cost as measured (bench/results/quality_guard_cost_38k_h100.json, an H100 with
 // the RTX dispatch emulated, 38k tokens); the node's quality tooltip says the same
 const PROBE_COST = "Measuring (step 1 of a model's first prompt) cost 0.46-0.53% of a 20-step prompt, "
-  + "4.6-5.3% of a 2-step one, after a ComfyUI's first prompt (H100, RTX paths emulated, 38k tokens).";
+  + "4.6-5.3% of a 2-step one, in a ComfyUI that had run a prompt before; 0.78% (7.8%) in its first prompt "
+  + "on the RTX 40xx path; a prompt with remembered errors measures nothing (an H100 with the RTX paths "
+  + "emulated, 38k tokens; not an RTX card's timing).";
 
 function statusWidget(node) {
   let w = node.widgets?.find((x) => x.name === STATUS);
