@@ -131,12 +131,7 @@ def test_a_moved_block_never_falls_back_to_a_family_over_its_target(fresh, extra
     monkeypatch.setattr(fq, "KITCHEN_ERROR", 0.2)
     state, err = _armed(B_ERR)
     att = _three_under_target(fq, err, c_error=0.2)
-    sched = schedule(3)
-    outs = [evaluate(att, sched[0], sched, data)]
-    after_step_1 = dict(fq.LAUNCHES)
-    state["armed"] = 0.9
-    outs += [evaluate(att, sched[s], sched, data) for s in (1, 2)]
-    end_run()
+    outs, after_step_1 = _failing_from_step_2(fq, att, state, data)
     ch = choices()
     assert all(ch[b]["family"] == "fake_kitchen_b" and ch[b]["candidates"]["fake_kitchen_c"] > ch[b]["target"]
                for b in OUTLIERS), ch
@@ -205,12 +200,7 @@ def test_a_block_moved_within_the_speed_budget_falls_back_to_the_next_least_erro
         return [att(attention_sage, q, k, v, H, skip_reshape=True, skip_output_reshape=True,
                     transformer_options={"block_index": b}) for b, (q, k, v) in enumerate(data)]
 
-    sched = schedule(3)
-    outs = [evaluate(att, sched[0], sched, calls)]
-    after_step_1 = dict(fq.LAUNCHES)
-    state["armed"] = 0.9
-    outs += [evaluate(att, sched[s], sched, calls) for s in (1, 2)]
-    end_run()
+    outs, after_step_1 = _failing_from_step_2(fq, att, state, calls)
     ch = choices()
     assert all(c["planned"] == fq.SAGE and c["family"] == "fake_kitchen_b" and c["rule"] == "budget"
                for c in ch.values()), ch
@@ -288,6 +278,18 @@ def dpm2(sched):
         yield i + 1, a, True
         if b > 0:
             yield i + 1, math.exp((math.log(a) + math.log(b)) / 2), False
+
+
+def _failing_from_step_2(fq, att, state, data):
+    """A 3-step run whose armed family fails its check from step 2 on: the outputs per step and the
+    launches counted after step 1."""
+    sched = schedule(3)
+    outs = [evaluate(att, sched[0], sched, data)]
+    after_step_1 = dict(fq.LAUNCHES)
+    state["armed"] = 0.9
+    outs += [evaluate(att, sched[s], sched, data) for s in (1, 2)]
+    end_run()
+    return outs, after_step_1
 
 
 def _outliers_moved(fq, data, outs):
