@@ -43,7 +43,7 @@ def test_sd2_latent_bit_identical_with_the_node(comfy, tmp_path, setting, seed_c
         calls = stats_delta(before, after, "attention_calls")
         assert calls == 2 * 2 * tiny["attention_calls_per_forward"], (calls, after)
         assert stats_delta(before, after, "plan:sdpa") == calls, after
-        log = server.logs()
+        log = server.start_logs()
     # ComfyUI's own start-up line names the attention function it hands the override
     expect = {"default": "Using sub quadratic optimization for attention", "split": "Using split optimization for "
               "attention", "pytorch": "Using pytorch attention"}[setting]

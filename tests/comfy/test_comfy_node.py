@@ -52,9 +52,10 @@ def test_node_in_object_info(comfy):
 
 
 def test_pack_loaded_cleanly(comfy):
-    logs = comfy.logs()
+    # the buffer as it stood at start-up: later prompts roll these lines out of ComfyUI's 300-entry buffer
+    logs = comfy.start_logs()
     # ComfyUI's import-time summary: "<secs> seconds[ (IMPORT FAILED)]: <path>/custom_nodes/<dir>"
-    lines = [l for l in logs.splitlines() if re.search(r"seconds.*custom_nodes[/\\]%s\s*$" % re.escape(PACK_DIR_NAME), l)]
+    lines = _import_lines(logs)
     assert lines, "no import-time line for %s in /internal/logs" % PACK_DIR_NAME
     assert not any("IMPORT FAILED" in l for l in lines), lines
     assert "Cannot import" not in logs or PACK_DIR_NAME not in "".join(
@@ -62,6 +63,25 @@ def test_pack_loaded_cleanly(comfy):
     assert "SafeSage: IMPORT FAILED" not in logs
     # the shim of the CI venv never hides a failure of the pack itself
     assert not any("IMPORT FAILED" in l and "SafeSage" in l for l in logs.splitlines())
+
+
+def _import_lines(logs):
+    return [l for l in logs.splitlines() if re.search(r"seconds.*custom_nodes[/\\]%s\s*$" % re.escape(PACK_DIR_NAME), l)]
+
+
+def test_start_up_lines_outlive_a_full_log_buffer(comfy):
+    """ComfyUI's /internal/logs keeps its last 300 writes: after enough prompts the import-time line
+    is gone from it (test_pack_loaded_cleanly failed on 783545f6 when the tests before it had run
+    enough prompts). The harness keeps the buffer as it stood at start-up; this floods it first."""
+    graph = {"1": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+             "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "flood"}}}
+    for _ in range(40):
+        if not _import_lines(comfy.logs()):
+            break
+        for _ in range(10):
+            comfy.queue_and_wait(graph, timeout=60)
+    assert not _import_lines(comfy.logs()), "400 prompts did not fill ComfyUI's log buffer"
+    assert _import_lines(comfy.start_logs()), "the start-up buffer lost the import-time line"
 
 
 def _errors_text(errs):

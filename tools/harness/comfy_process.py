@@ -74,6 +74,7 @@ class ComfyProcess:
         self.keep_pythonpath = keep_pythonpath
         self.own_group = own_group
         self.proc: subprocess.Popen | None = None
+        self.startup_logs: str | None = None
         self.returncode = None          # exit status once the process has ended
         self.cmdline: list[str] = []    # the command it was started with
         self.port: int | None = None
@@ -127,6 +128,7 @@ class ComfyProcess:
             self.port = port
             self.url = "http://127.0.0.1:%d" % port
             if self._wait_ready():
+                self.startup_logs = self._logs_or_none()
                 return self
             tail = self.log_tail()
             self.stop()
@@ -247,8 +249,23 @@ class ComfyProcess:
         raise TimeoutError("prompt %s did not finish in %ss; log tail:\n%s"
                            % (prompt_id, timeout, self.log_tail()))
 
+    def _logs_or_none(self):
+        try:
+            return self.logs()
+        except (requests.RequestException, ValueError):
+            return None
+
+    def start_logs(self) -> str:
+        """ComfyUI's own log buffer as it stood when the server became ready. The buffer keeps only
+        its last 300 writes (app/logger.py's capacity), so on a session server that has run prompts
+        the start-up lines (the import-time summary, the attention function) have rolled out of
+        logs(); read them here."""
+        if self.startup_logs is None:
+            raise RuntimeError("the server's log buffer could not be read when it became ready")
+        return self.startup_logs
+
     def logs(self) -> str:
-        """ComfyUI's own log buffer (GET /internal/logs) as one string."""
+        """ComfyUI's own log buffer (GET /internal/logs) as one string: its last 300 writes."""
         data = self.get_json("/internal/logs")
         if isinstance(data, str):
             return data
