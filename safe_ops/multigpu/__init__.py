@@ -22,3 +22,6 @@ by their log-sum-exp). This package guards that call:
 Nothing here imports torch.distributed's collectives, yunchang, xFuser, ray or ComfyUI at import
 time: each is looked up when used.
 """
+
+#: inside a raylight worker: what worker.apply_in_worker did (worker.report reads it)
+WORKER_STATUS: dict = {}
