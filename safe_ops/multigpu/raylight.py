@@ -11,7 +11,6 @@ cannot import the pack by its name.
 """
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
@@ -21,7 +20,7 @@ PACK_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def _ray():
-    ray = importlib.import_module("ray")
+    import ray
     by_value = getattr(getattr(ray, "cloudpickle", None), "register_pickle_by_value", None)
     if by_value is not None:
         by_value(worker)

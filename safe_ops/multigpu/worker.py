@@ -22,7 +22,6 @@ as it came (the worker's status, :func:`report`, says so).
 """
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
@@ -34,7 +33,8 @@ PACKAGE = "safe_ops"
 def _status(so) -> dict:
     """This process's worker status, kept in the loaded package (this module's globals are a copy
     per pickled call: it is pickled by value)."""
-    return importlib.import_module(so.__name__ + ".multigpu").WORKER_STATUS
+    from safe_ops import multigpu       # the package load_safe_ops put in sys.modules
+    return multigpu.WORKER_STATUS
 
 
 def load_safe_ops(pack_dir: str):
@@ -65,9 +65,9 @@ def apply_in_worker(model, pack_dir: str, settings: dict):
         so = load_safe_ops(pack_dir)
         status = _status(so)
         status.clear()
-        hook = importlib.import_module(so.__name__ + ".multigpu.xfuser_hook")
-        status["hook"] = bool(hook.install())
-        patch = importlib.import_module(so.__name__ + ".patch")
+        from safe_ops import patch
+        from safe_ops.multigpu import xfuser_hook
+        status["hook"] = bool(xfuser_hook.install())
         applied = patch.apply_node(model, **settings)
         status.update(patched=bool(applied.patched), text=applied.text)
         log.info("SafeSage in this raylight worker: hook at yunchang's kernel selection %s; %s",
@@ -88,8 +88,8 @@ def report(model) -> dict:
     if so is not None:
         try:
             out.update(_status(so))
-            rk = importlib.import_module(so.__name__ + ".multigpu.rank_kernel")
-            out["multigpu"] = rk.SECTION.as_dict()
+            from safe_ops.multigpu import rank_kernel
+            out["multigpu"] = rank_kernel.SECTION.as_dict()
         except Exception as e:  # noqa: BLE001
             out["multigpu"] = f"unavailable: {type(e).__name__}: {e}"
     return out

@@ -26,7 +26,6 @@ selected function's name, not the ``AttnType`` name, so it holds across yunchang
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import sys
 import threading
@@ -120,7 +119,7 @@ def install(families: dict | None = None, agree_group: Any = None, agree: Callab
     not importable here (nothing to guard). ``agree_group``: the ranks that agree on a first-call
     verdict (None: torch.distributed's default group -- every rank runs the same calls)."""
     try:
-        kernels_mod = importlib.import_module(MODULE)
+        import yunchang.kernels as kernels_mod       # MODULE
     except Exception as e:  # noqa: BLE001 - no yunchang (or a broken one): nothing runs sage there
         log.info("SafeSage: %s not importable (%s: %s): no sequence-parallel attention to guard",
                  MODULE, type(e).__name__, e)
