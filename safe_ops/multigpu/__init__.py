@@ -7,9 +7,11 @@ reaches a sage kernel is yunchang's ``select_flash_attn_impl(attn_type, stage="f
 per rank per key chunk (Ulysses: the whole sequence, heads/U; ring: one call per chunk, outputs merged
 by their log-sum-exp). This package guards that call:
 
-  rank_kernel.py   GuardedRankKernel: one rank's call checked against its family's envelope, the
-                   first-call check agreed by every rank, a fallback (PyTorch with LSE) that every
+  rank_kernel.py   GuardedRankKernel: one rank's call checked against its family's envelope (planned
+                   inside it where it is not), the first-call check agreed by every rank, a fallback (PyTorch with LSE) that every
                    rank takes alike, counted in run_stats' "multigpu" section, never raised
+  rank_plan.py     a call outside the envelope, planned inside it by the one-GPU planner (copies, head
+                   groups, query chunks), run through the selected sage function with its LSE
   lse_reference.py what a refused call runs (PyTorch SDPA with its log-sum-exp) and the LSE half of
                    the first-call check
   xfuser_hook.py   install()/uninstall(): wrap select_flash_attn_impl in yunchang and in every

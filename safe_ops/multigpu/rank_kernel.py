@@ -9,6 +9,8 @@ all-to-all); under ring degree R each call gets the rank's S/R queries and one S
 1. **check** the rank's call -- its own geometry, heads per rank and key chunk -- against the
    family's :class:`~safe_ops.families.envelope.Envelope` (``check()``, the one-GPU mechanism). The
    shapes are the same on every rank of a group, so every rank makes the same choice without talking.
+   A call outside it is planned by the one-GPU planner into launches inside it (rank_plan: copies,
+   head groups, query chunks); a call no plan fits is refused (3.).
 2. **first call of a class** (verification.class_key, the one-GPU classes): run the kernel, compare
    its output with float32 attention on the verifier's probe rows (``compare``, the family's
    tolerance) and its LSE (lse_reference.lse_error), then **agree**: one ``all_reduce(MAX)`` of a
@@ -40,12 +42,13 @@ from ..attention.verification import class_key, compare
 from ..families.envelope import AttnCall, TensorDesc, check
 from ..ui import run_stats
 from .lse_reference import LSE_TOLERANCE, lse_error, sdpa_with_lse
+from .rank_plan import plan_rank_call, run_rank_plan
 
 log = logging.getLogger("SafeSage")
 
 SECTION = run_stats.Section(
     "multigpu",
-    ("calls", "kernel", "checked", "failed_checks", "outside_envelope", "kernel_errors", "refused",
+    ("calls", "kernel", "checked", "failed_checks", "outside_envelope", "planned", "kernel_errors", "refused",
      "internal_errors"),
     fallback_log="SafeSage (sequence-parallel rank): {reason}; this rank's call runs PyTorch's attention")
 
@@ -96,6 +99,7 @@ class GuardedRankKernel:
         #: class key -> None (checked, good) or the reason it is refused; shared by the kernels of
         #: one hook (xfuser_hook), so a class checked once is not checked again per chunk
         self.verdicts = {} if verdicts is None else verdicts
+        self._plans: dict = {}
 
     def family(self, device: torch.device):
         return self._family(device) if callable(self._family) else self._family
@@ -116,23 +120,49 @@ class GuardedRankKernel:
             return sdpa_with_lse(q, k, v, scale)
         if viol:
             SECTION.bump("outside_envelope")
-            return self._refused(q, k, v, scale, f"{fam.name}: outside its envelope on this rank's call "
-                                 f"({len(viol)} limit(s); first: {viol[0]})")
+            plan = self._plan(call, fam)
+            if plan is None:
+                return self._refused(q, k, v, scale, f"{fam.name}: outside its envelope on this rank's call and no "
+                                     f"plan of its kernel fits ({len(viol)} limit(s); first: {viol[0]})")
+            SECTION.bump("planned")
+            key = (*key, plan.describe(reasons=False))         # the planned run is its own class
+
+            def run():
+                return run_rank_plan(plan, self.fn, q, k, v, args, kwargs)
+        else:
+            def run():
+                return self.fn(q, k, v, *args, **kwargs)
         if key in self.verdicts:
             reason = self.verdicts[key]
             if reason is not None:
                 return self._refused(q, k, v, scale, reason)
-            return self._run_checked(fam, key, q, k, v, scale, args, kwargs)
-        return self._first_call(fam, key, q, k, v, scale, args, kwargs)
+            return self._run_checked(fam, key, run, q, k, v, scale)
+        return self._first_call(fam, key, run, q, k, v, scale)
+
+    def _plan(self, call: AttnCall, fam):
+        """The planner's plan for a rank call outside the envelope (rank_plan), once per call shape;
+        None where none fits or planning failed (contained)."""
+        if call in self._plans:
+            return self._plans[call]
+        try:
+            plan = plan_rank_call(call, fam.envelope)
+            if plan is not None:
+                run_stats.remember_plan(f"rank {call.q.shape} {call.k.shape} {fam.name}", plan.describe())
+        except Exception as e:  # noqa: BLE001 - SafeSage's own error: the call is refused instead
+            contain.internal_error(e, WHAT + "'s planner", "this rank's call runs PyTorch's attention", stats=SECTION)
+            plan = None
+        self._plans[call] = plan
+        run_stats.trim(self._plans)
+        return plan
 
     def _refused(self, q, k, v, scale, reason: str):
         SECTION.bump("refused")
         SECTION.fallback(reason)
         return sdpa_with_lse(q, k, v, scale)
 
-    def _run_checked(self, fam, key, q, k, v, scale, args, kwargs):
+    def _run_checked(self, fam, key, run, q, k, v, scale):
         try:
-            out = self.fn(q, k, v, *args, **kwargs)
+            out = run()
             SECTION.bump("kernel")
             return out
         except Exception as e:  # noqa: BLE001 - the kernel's error: this call falls back
@@ -143,11 +173,11 @@ class GuardedRankKernel:
             log.warning("SafeSage: %s kernel raised on a checked class: %s: %s", fam.name, type(e).__name__, e)
             return self._refused(q, k, v, scale, reason)
 
-    def _first_call(self, fam, key, q, k, v, scale, args, kwargs):
+    def _first_call(self, fam, key, run, q, k, v, scale):
         out = None
         local: str | None = None
         try:
-            out = self.fn(q, k, v, *args, **kwargs)
+            out = run()
             o, lse = out[0], out[1]
             verdict = compare(o.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                               scale, fam.tolerance)

@@ -4,8 +4,8 @@ The two-rank test runs tests/unit/multigpu_rank.py as two processes over torch.d
 yunchang's ``LongContextAttention`` -- the per-key-chunk ``select_flash_attn_impl(..., "fwd-only")``
 and LSE merge xFuser's ring repeats (xFuser itself refuses a CPU: its long-context classes need
 CUDA at import) -- with a fake sage kernel of 16-bit index arithmetic (fake_family.py), at Ulysses
-(2,1) and ring (1,2), inside and outside the fake family's limits, against full attention, and with
-a forced fault on rank 1. It needs yunchang: importable here, or installed where
+(2,1) and ring (1,2), inside and outside the fake family's limits (planned inside them, or refused
+where no plan fits), against full attention, and with a forced fault on rank 1. It needs yunchang: importable here, or installed where
 SAFESAGE_YUNCHANG_PATH points (.ci/run sets it up with .ci/setup_yunchang.sh); else it skips, saying so.
 """
 from __future__ import annotations
@@ -72,7 +72,8 @@ def ranks(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], logs
 
 
-GUARDED = ("ulysses_in", "ulysses_out", "ring_in", "ring_out", "ulysses_fault_raise", "ring_fault_nan")
+GUARDED = ("ulysses_in", "ulysses_out", "ring_in", "ring_out", "ulysses_no_plan", "ulysses_fault_raise",
+           "ring_fault_nan")
 
 
 def test_every_guarded_case_equals_full_attention_on_both_ranks(ranks):
@@ -93,17 +94,32 @@ def test_inside_the_limits_the_kernel_runs_and_is_checked_once(ranks):
             assert c["stats"]["checked"] == 1 and c["stats"]["refused"] == 0 and not c["fallbacks"]
 
 
-def test_outside_the_limits_no_rank_launches_and_both_fall_back_alike(ranks):
+def test_outside_the_limits_both_ranks_run_the_same_plan_inside_them(ranks):
+    """The one-GPU planner's plan for the rank's own geometry: q/k copied in head groups whose strides
+    fit the 16-bit products (the fake kernel asserts every launch is inside), on both ranks alike."""
     res, _ = ranks
-    for case, calls in (("ulysses_out", 1), ("ring_out", 2)):
+    for case, calls, rank_heads in (("ulysses_out", 1, 4), ("ring_out", 2, 8)):
         for r in range(2):
             c = res[r][case]
-            assert c["launches"] == 0, (r, case, c)
-            assert c["stats"]["outside_envelope"] == calls == c["stats"]["refused"], (r, case, c)
-            (reason, n), = c["fallbacks"].items()
-            assert n == calls and "outside its envelope" in reason and "fake_cpu16" in reason
+            st = c["stats"]
+            assert st["outside_envelope"] == st["planned"] == st["kernel"] == calls, (r, case, c)
+            assert st["refused"] == 0 and not c["fallbacks"] and st["checked"] == 1, (r, case, c)
+            assert c["launches"] > calls, (r, case, c)                      # split launches
+            assert all(shape[2] < rank_heads for _, shape in c["launch_shapes"]), c["launch_shapes"]
         assert res[0][case]["stats"] == res[1][case]["stats"]
-        assert res[0][case]["fallbacks"] == res[1][case]["fallbacks"]
+        assert res[0][case]["launch_shapes"] == res[1][case]["launch_shapes"]
+
+
+def test_a_call_no_plan_fits_falls_back_on_both_ranks_alike(ranks):
+    """float64: a dtype rule no data movement fixes. No rank launches; both count and word it alike."""
+    res, _ = ranks
+    for r in range(2):
+        c = res[r]["ulysses_no_plan"]
+        assert c["launches"] == 0 and c["stats"]["refused"] == c["stats"]["outside_envelope"] == 1, (r, c)
+        (reason, n), = c["fallbacks"].items()
+        assert n == 1 and "no plan of its kernel fits" in reason and "dtype" in reason
+    assert res[0]["ulysses_no_plan"]["stats"] == res[1]["ulysses_no_plan"]["stats"]
+    assert res[0]["ulysses_no_plan"]["fallbacks"] == res[1]["ulysses_no_plan"]["fallbacks"]
 
 
 def test_the_same_shapes_unguarded_launch_outside_the_envelope(ranks):
@@ -205,3 +221,26 @@ def test_lse_error_sees_a_wrong_lse():
     assert lse_error(lse, q, k, 0.25) < 1e-4
     assert lse_error(lse + 0.5, q, k, 0.25) == pytest.approx(0.5, abs=1e-3)
     assert lse_error(torch.full_like(lse, float("nan")), q, k, 0.25) == float("inf")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_a_rank_plan_gives_the_whole_calls_output_and_lse(layout):
+    """Head groups x query chunks, q/k copied into either layout: each launch's output and LSE land
+    where the whole call's would (GQA: 4 query heads on 2 key heads)."""
+    from safe_ops.attention.planner import Plan
+    from safe_ops.multigpu.rank_plan import run_rank_plan
+    seen = []
+
+    def fn(q, k, v, *args, tensor_layout="NHD", **kw):
+        seen.append((tensor_layout, tuple(q.shape), q.is_contiguous()))
+        to_nhd = (lambda t: t.transpose(1, 2)) if tensor_layout == "HND" else (lambda t: t)
+        o, lse = sdpa_with_lse(to_nhd(q), to_nhd(k), to_nhd(v), 0.25)
+        return (o.transpose(1, 2) if tensor_layout == "HND" else o), lse
+
+    q = torch.randn(1, 300, 4, 16)
+    k, v = (torch.randn(1, 300, 2, 16) for _ in range(2))
+    plan = Plan("head_groups", "x", layout, repack=("q", "k"), head_group=2, q_chunk=128, launches=6)
+    out, lse = run_rank_plan(plan, fn, q, k, v, (), {"softmax_scale": None})
+    ref, ref_lse = sdpa_with_lse(q, k, v, 0.25)
+    assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
+    assert len(seen) == 6 and all(t == layout and c for t, _, c in seen)
