@@ -244,3 +244,14 @@ def test_a_rank_plan_gives_the_whole_calls_output_and_lse(layout):
     ref, ref_lse = sdpa_with_lse(q, k, v, 0.25)
     assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
     assert len(seen) == 6 and all(t == layout and c for t, _, c in seen)
+
+
+def test_the_multigpu_modules_import_no_yunchang_xfuser_ray_or_comfyui():
+    """Imported alone, safe_ops/multigpu pulls in none of the packages it guards or is sent by."""
+    code = ("import sys; import safe_ops.multigpu.rank_kernel, safe_ops.multigpu.rank_plan, "
+            "safe_ops.multigpu.xfuser_hook, safe_ops.multigpu.raylight, safe_ops.multigpu.worker; "
+            "print([m for m in ('yunchang', 'xfuser', 'ray', 'comfy', 'comfy_api') if m in sys.modules])")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]"
