@@ -142,8 +142,9 @@ class GuardedRankKernel:
     def _plan(self, call: AttnCall, fam):
         """The planner's plan for a rank call outside the envelope (rank_plan), once per call shape;
         None where none fits or planning failed (contained)."""
-        if call in self._plans:
-            return self._plans[call]
+        pk = (fam.name, call)
+        if pk in self._plans:
+            return self._plans[pk]
         try:
             plan = plan_rank_call(call, fam.envelope)
             if plan is not None:
@@ -151,7 +152,7 @@ class GuardedRankKernel:
         except Exception as e:  # noqa: BLE001 - SafeSage's own error: the call is refused instead
             contain.internal_error(e, WHAT + "'s planner", "this rank's call runs PyTorch's attention", stats=SECTION)
             plan = None
-        self._plans[call] = plan
+        self._plans[pk] = plan
         run_stats.trim(self._plans)
         return plan
 
@@ -198,6 +199,7 @@ class GuardedRankKernel:
             contain.internal_error(e, WHAT + "'s agreement", "this rank decides alone", stats=SECTION)
             refused = local is not None
         SECTION.bump("checked")
+        run_stats.trim(self.verdicts, expendable=lambda reason: reason is None)   # bounded; refusals stay
         if not refused:
             self.verdicts[key] = None
             SECTION.bump("kernel")
