@@ -20,8 +20,8 @@
 #     tar -cf - comfy_kitchen comfy_kitchen-*.dist-info | xz -T8 -6 > .gpu/ckXYZ.tar.xz   (0.2.26: 22 MB)
 #   cp ../shared/comfyui/ComfyUI-0dd9b154.tgz ../shared/sageattention/SageAttention-2.2.0-src.tgz .gpu/
 #   and carry ".whl" and ".gpu" (run's carry argument; 64 MiB in all).
-# A script that imports ComfyUI outside a server (bench/synth_h3.py, --comfy options, bench/gpu_compile.py,
-# bench/gpu_quality*.py with COMFYUI_PATH=$SS_COMFY) needs PYTHONPATH=$PYTHONPATH:$SS_COMFY as well: nothing
+# A script that imports ComfyUI outside a server (bench/common/synth_h3.py, --comfy options, bench/kernels/gpu_compile.py,
+# bench/quality/gpu_quality*.py with COMFYUI_PATH=$SS_COMFY) needs PYTHONPATH=$PYTHONPATH:$SS_COMFY as well: nothing
 # under bench/ or tools/ puts ComfyUI on sys.path itself (ss_base leaves it off PYTHONPATH for the servers).
 # Functions:
 #   ss_base                 wheels -> /tmp/site (PYTHONPATH), ComfyUI -> /tmp/comfy/c0dd ($SS_COMFY)

@@ -21,15 +21,15 @@ prompt's latent is compared with the same prompt of the PyTorch arm and of the r
 (``worker.later_prompts[i]``: ``s_per_step``, ``rel_l2_vs_pytorch``, ``rel_l2_vs_unguarded``, and for
 SafeSage rows ``safesage_quality``, the guard's counters and last run after that prompt; prompt 1's:
 ``worker.safesage_quality_first_prompt``). Every arm of a plan runs the same number of prompts. The
-reporter's graph at 38k, 2 steps, on a synthetic checkpoint with late-block drift (bench/synth_h3.py
+reporter's graph at 38k, 2 steps, on a synthetic checkpoint with late-block drift (bench/common/synth_h3.py
 ``--drift-*``; the checkpoint's settings land in the JSON's ``checkpoint_settings``):
 
-  PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.synth_h3 /tmp/h3_50d.safetensors --blocks 50 \
+  PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.common.synth_h3 /tmp/h3_50d.safetensors --blocks 50 \
       --drift-blocks 8 --drift-channels 4 --drift-factor 16 --reuse > /tmp/synth50d.json
   python -m bench.repro all --comfy $SS_COMFY --ckpt /tmp/h3_50d.safetensors --steps 2 --prompts 3 \
       --emulate-arch sm120 --synth-info /tmp/synth50d.json --ballast-free-gib 30 --out R.json \
       --plan 38k:pytorch 38k:sage 38k:safesage_faults 38k:safesage 38k:sage_sm80 [38k:ck]
-  python3 -m bench.quality_cost R.json --path sage22_sm120 --out bench/results/quality_guard_cost_38k_<gpu>.json
+  python3 -m bench.quality.quality_cost R.json --path sage22_sm120 --out bench/results/quality_guard_cost_38k_<gpu>.json
 
 Arms for single kernels: ``sage_sm80`` (sage 2.2's int8-QK + fp16-PV kernel alone, unguarded) and ``ck``
 (comfy-kitchen's int8_attention as ComfyUI's own attention, ``--use-ck-attention``: only a ComfyUI tree

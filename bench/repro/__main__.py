@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="mode", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--comfy", required=True, help="ComfyUI 0dd9b154 tree (its main.py is run)")
-    common.add_argument("--ckpt", required=True, help="checkpoint from bench/synth_h3.py")
+    common.add_argument("--ckpt", required=True, help="checkpoint from bench/common/synth_h3.py")
     common.add_argument("--steps", type=int, default=2)
     common.add_argument("--seed", type=int, default=77)
     common.add_argument("--cpu", action="store_true", help="CPU smoke run (adds --cpu to ComfyUI's args)")

@@ -154,7 +154,7 @@ def driver(a, argv=()) -> dict:
     if a.synth_info and os.path.exists(a.synth_info):
         with open(a.synth_info) as f:
             doc["checkpoint"] = json.loads(f.read().strip().splitlines()[-1])
-    # what a bench.synth_h3 checkpoint records of itself (its seed, dims, the synthetic drift): None otherwise
+    # what a bench.common.synth_h3 checkpoint records of itself (its seed, dims, the synthetic drift): None otherwise
     doc["checkpoint_settings"] = synth_h3.read_settings(a.ckpt)
 
     def save():

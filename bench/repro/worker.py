@@ -6,7 +6,7 @@ temporary --base-directory holding the checkpoint (a link in models/diffusion_mo
 (bench/repro/probe_pack) and, for the SafeSage arms only, this repository as ComfyUI-SafeSage. Its
 PYTHONPATH is passed on (the GPU box's wheels live there), with bench/repro/av_stub in front when its
 Python has no PyAV (recorded as ``av_stub``) and this repository last (the probe pack imports
-``bench.benchutil`` and ``bench.repro.memory`` from it), and it runs in a process group of its own.
+``bench.common.benchutil`` and ``bench.repro.memory`` from it), and it runs in a process group of its own.
 
 Where each finding comes from:
   outcome     /history (success, or ComfyUI's execution_error: exception type and message) or the

@@ -1,6 +1,6 @@
 """The measured kernel table: TFLOP/s per (GPU arch, kernel family), ``kernel_table.json`` beside this file.
 
-Written by the GPU benches (``bench/tables.py --update-table``, ``bench/gpu_kvchunks.py --update-table``;
+Written by the GPU benches (``bench/common/tables.py --update-table``, ``bench/kernels/gpu_kvchunks.py --update-table``;
 only families whose output matched SDPA); read by ``auto`` (attention.kernel_choice) and by the
 registry's choice of the other sage-2 families to offer, through families.registry.measured_tflops
 (which knows the families measured under another family's entry).

@@ -34,7 +34,7 @@ nothing launched):
 Where the change landed: the ``_C.abi3.so`` of the PyPI wheels 0.2.33, 0.2.34 and 0.2.35 hold
 the old message "tensor strides exceed int32 range"; 0.2.36, 0.2.38, 0.2.39 and 0.2.40 hold
 "within-head offsets exceed int32 range" instead (0.2.29 is not on PyPI). On the H200
-(bench/gpu_kvchunks.py ``ck_probe``, bench/results/ck239_probe_h200.json and
+(bench/kernels/gpu_kvchunks.py ``ck_probe``, bench/results/ck239_probe_h200.json and
 ck240_probe_h200.json) 0.2.39 and 0.2.40 take 320,000 tokens on either side, in every layout,
 with no error and rel. L2 0.008-0.018 vs SDPA; 0.2.35 raises ``OverflowError: sage_sdpa: tensor
 strides exceed int32 range`` from 299,521 keys (the packed V, padded to 128) and from 299,594

@@ -8,7 +8,7 @@
   same kernel family over the run's blocks of the same class of call. Each family's own benign error
   differs (issue #28: sage 2's fp8 PV ~0.039, its fp16 PV ~0.011, comfy-kitchen ~0.017 rel. L2 on
   random H3-shaped inputs), so the target is relative; blocks also differ among themselves as the
-  hidden state takes shape. The factor comes from measurement (bench/gpu_quality.py on the H200,
+  hidden state takes shape. The factor comes from measurement (bench/quality/gpu_quality.py on the H200,
   bench/results/quality_guard_sage22_h200.json and quality_guard_sage106_h200.json, 3 seeds x sage
   1.0.6 and sage 2.2.0's sm_120 and sm_89 paths): benign blocks reach at most 3.70x the run's median,
   blocks with 4 of 128 q/k channels x16 / x32 start at 5.17x; 4.4 is their geometric middle
@@ -58,7 +58,7 @@ DEFAULT_CEILING = 0.12
 CEILING_FACTOR = 2.0
 #: ``balanced``: a block over its target (and under its ceiling) stays where the best other fast
 #: family measured the same rows within this factor of the planned family's error (either way). Fitted on
-#: the committed measurements (docs/MEASURED.md, bench.quality_decisions): benign blocks with an
+#: the committed measurements (docs/MEASURED.md, bench.quality.quality_decisions): benign blocks with an
 #: error over 0.005 measured at most 1.49x their best candidate (H100 8k default profile; 1.24x on
 #: the H200 38k runs), x16/x32 drifting blocks at least 2.45x (4.51x on the H200); 1.9 is the
 #: geometric middle of 1.49 and 2.45. Checked on the profiles it was not fitted to (majority,

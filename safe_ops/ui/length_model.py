@@ -21,7 +21,7 @@ before the run, the step's peak is::
   output). Zero for the unguarded arms (their MLP and attention are ComfyUI's own, in ``per_token``).
 
 A length fits when its peak is at most F; the longest is searched on H3's 17k+5 frame grid. The constants
-are fitted from GPU runs and kept in ``safe_ops/facts/length_model.json`` (``python -m bench.fit_lengths``
+are fitted from GPU runs and kept in ``safe_ops/facts/length_model.json`` (``python -m bench.length.fit_lengths``
 writes it from bench/results, naming the fields and lengths it fitted on, and checks the prediction
 against the measured longest lengths). No ComfyUI import, no GPU work.
 """

@@ -11,7 +11,7 @@ import torch
 from safe_ops.ui import run_stats
 from safe_ops.policy import Policy
 
-from bench import gpu_attention as ga
+from bench.kernels import gpu_attention as ga
 
 pytestmark = pytest.mark.gpu
 

@@ -2,7 +2,7 @@
 
 Skipped without CUDA + sageattention (conftest). Run on the GPU machine:
     python -m pytest tests/gpu/test_gpu_kvchunks.py -v -rs
-Sizes are small (seconds); python -m bench.gpu_kvchunks measures H3 lengths.
+Sizes are small (seconds); python -m bench.kernels.gpu_kvchunks measures H3 lengths.
 """
 import dataclasses
 
@@ -36,7 +36,7 @@ def _att(kern):
 def _noop(*a, **k):
     """ComfyUI's attention function as the override receives it: SafeSage runs it for every call
     no guarded kernel takes (PyTorch SDPA, as ComfyUI's attention_pytorch)."""
-    from bench.gpu_attention import comfy_attention
+    from bench.kernels.gpu_attention import comfy_attention
     return comfy_attention(*a, **k)
 
 

@@ -1,5 +1,5 @@
 """The legacy-stream hop's negative controls and the streams the kernels really run on, on the GPU
-(bench/gpu_streams.py; its logic is unit-tested in tests/unit/test_gpu_streams_logic.py).
+(bench/kernels/gpu_streams.py; its logic is unit-tested in tests/unit/test_gpu_streams_logic.py).
 
 Needs a sage 2.2 build with a legacy-stream family for this GPU (``SAFESAGE_BENCH_FAMILY``,
 default sage2_fp8pv_perwarp; on the H200 the 8.9+PTX build: ``ss_sage sm89``)."""
@@ -8,7 +8,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench import gpu_streams as gs  # noqa: E402
+from bench.kernels import gpu_streams as gs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 FAMILY = os.environ.get("SAFESAGE_BENCH_FAMILY") or "sage2_fp8pv_perwarp"

@@ -12,8 +12,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def bench_tables():
-    """bench/tables.py (python -m bench.tables)."""
-    from bench import tables
+    """bench/common/tables.py (python -m bench.common.tables)."""
+    from bench.common import tables
     return tables
 
 

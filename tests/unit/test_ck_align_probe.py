@@ -1,4 +1,4 @@
-"""bench/ck_align_probe.py (ComfyUI #15494): its cases on the CPU, and every committed result of it
+"""bench/kernels/ck_align_probe.py (ComfyUI #15494): its cases on the CPU, and every committed result of it
 (``bench/results/ck*_align_*.json``, comfy-kitchen on the GPU) held to the ck_int8 envelope."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import ck_align_probe as probe
+from bench.kernels import ck_align_probe as probe
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = sorted((REPO / "bench" / "results").glob("ck*_align_*.json"))
@@ -34,12 +34,12 @@ def test_dry_run_writes_its_command_and_every_case(tmp_path):
     out = tmp_path / "dry.json"
     # the cases' expected outcomes are 0.2.40's; without --ck-version the dry run predicts for the installed
     # comfy-kitchen (783545f6's venv has 0.2.31, whose envelope also checks size-1 dimensions)
-    r = subprocess.run([sys.executable, "-m", "bench.ck_align_probe", "--dry-run", "--ck-version", "0.2.40",
+    r = subprocess.run([sys.executable, "-m", "bench.kernels.ck_align_probe", "--dry-run", "--ck-version", "0.2.40",
                         "--out", str(out)],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     d = json.loads(out.read_text())
-    assert d["command"].startswith("python3 -m bench.ck_align_probe --dry-run --ck-version 0.2.40 --out ")
+    assert d["command"].startswith("python3 -m bench.kernels.ck_align_probe --dry-run --ck-version 0.2.40 --out ")
     assert d["ck_version_predicted_for"] == "0.2.40"
     assert d["dry_run"] is True and [c["name"] for c in d["cases"]] == list(probe.CASES)
     bad = [c["name"] for c in d["cases"] if c["predicted"] != c["expected"]]
@@ -79,7 +79,7 @@ def test_cases_rerun_into_an_earlier_result(tmp_path, monkeypatch):
     """--cases runs only the named cases; --merge keeps the earlier result's others, in CASES order,
     and says which it kept."""
     names = list(probe.CASES)
-    earlier = {"command": "python3 -m bench.ck_align_probe --out e.json",
+    earlier = {"command": "python3 -m bench.kernels.ck_align_probe --out e.json",
                "cases": [{"name": n, "agrees": True, "from": "earlier"} for n in names]}
     (tmp_path / "e.json").write_text(json.dumps(earlier))
     monkeypatch.setattr(probe, "child", lambda n, version, timeout: {"name": n, "agrees": True, "from": "now",
@@ -105,13 +105,13 @@ def test_outcome_reads_kitchens_messages():
 
 
 @pytest.mark.skipif(not RESULTS, reason="no bench/results/ck*_align_*.json committed yet "
-                                        "(python3 -m bench.ck_align_probe on the GPU writes one)")
+                                        "(python3 -m bench.kernels.ck_align_probe on the GPU writes one)")
 @pytest.mark.parametrize("path", RESULTS, ids=[p.name for p in RESULTS])
 def test_measured_outcomes_are_the_envelopes(path):
     """On the GPU: comfy-kitchen raised exactly where the envelope predicted (and which check),
     nothing crashed or left a CUDA error, and every contiguous copy ran, finite."""
     d = json.loads(path.read_text())
-    assert not d["dry_run"] and d["command"].startswith("python3 -m bench.ck_align_probe")
+    assert not d["dry_run"] and d["command"].startswith("python3 -m bench.kernels.ck_align_probe")
     for c in d["cases"]:
         assert "crashed" not in c, (c["name"], c.get("crashed"))
         m, r = c["measured"], c["repacked"]

@@ -1,5 +1,5 @@
 """SafeSage's comfy-kitchen envelopes against the GPU: for every committed ``ck*_probe`` result
-(bench/gpu_kvchunks.py ck_probe on the H200), the first length the envelope of that
+(bench/kernels/gpu_kvchunks.py ck_probe on the H200), the first length the envelope of that
 comfy-kitchen version marks as refused is the first length the real ``int8_attention`` refused,
 per side and layout -- and where the wheel refused nothing, the envelope refuses nothing."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ first-call check outside the graph, and nothing changed where ComfyUI has no com
 
 A stand-in ``comfy.model_prefetch`` provides the two functions SafeSage asks ComfyUI
 (``malloc_graph_enabled(device)``, ``pause_malloc_graph()``) and records when the graph is
-paused; the GPU proof with the real comfy-aimdo is bench/compiler_probe.py.
+paused; the GPU proof with the real comfy-aimdo is bench/length/compiler_probe.py.
 """
 import contextlib
 import sys

@@ -162,7 +162,7 @@ def test_the_doc_has_python_commands_to_check():
     # the parser found the blocks: 2nd/3rd/commands/CPU smoke blocks hold at least 10 Python commands
     assert len([w for w, _ in PY if "block" in w]) >= 10, PY
     assert any(words[1:3] == ["-m", "bench.repro"] for _, words in PY)
-    assert any(words[1:3] == ["-m", "bench.synth_h3"] for _, words in PY)
+    assert any(words[1:3] == ["-m", "bench.common.synth_h3"] for _, words in PY)
 
 
 def test_every_other_shell_command_is_a_known_one():
@@ -204,7 +204,7 @@ def test_doc_command_help_runs_and_lists_its_options(where, words):
 
 def test_the_parser_on_a_block_like_the_docs():
     block = ("source bench/device_setup.sh && ss_base && ss_sage sm89\n"
-             "PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.synth_h3 /tmp/h.st --blocks 8 > $OUT/s.json\n"
+             "PYTHONPATH=$PYTHONPATH:$SS_COMFY python3 -m bench.common.synth_h3 /tmp/h.st --blocks 8 > $OUT/s.json\n"
              "R() { out=$1; shift 1; python3 -m bench.repro all --comfy $C \\\n    --plan \"$@\"; }  # note\n"
              "python3 bench/old.py all --x 1\n")
     lines = _lines_split(block, 10)
@@ -212,7 +212,7 @@ def test_the_parser_on_a_block_like_the_docs():
     cmds = [w for _, ln in lines for w in simple_commands(ln)]
     assert [c[0] for c in cmds] == ["source", "ss_base", "ss_sage", "python3", "R", "shift", "python3",
                                     "python3"], cmds
-    assert help_argv(cmds[3]) == ["-m", "bench.synth_h3", "/tmp/h.st", "--help"]
+    assert help_argv(cmds[3]) == ["-m", "bench.common.synth_h3", "/tmp/h.st", "--help"]
     assert help_argv(cmds[6]) == ["-m", "bench.repro", "all", "--help"]
     assert long_options(cmds[6]) == ["--comfy", "--plan"]
     assert help_argv(cmds[7]) == ["bench/old.py", "all", "--help"]

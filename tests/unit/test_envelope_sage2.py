@@ -267,7 +267,7 @@ def test_roles_sage_makes_are_checked_by_check_itself():
 
 
 def test_plans_match_the_committed_h200_families_run():
-    """bench/results/families_230k_h200.json (bench/gpu_kvchunks.py families on the H200) recorded
+    """bench/results/families_230k_h200.json (bench/kernels/gpu_kvchunks.py families on the H200) recorded
     each family's plan for H3 at 230,000 tokens -- reasons and kernel temporaries included; the
     envelopes plan the same today."""
     import json

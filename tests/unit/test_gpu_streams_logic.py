@@ -1,4 +1,4 @@
-"""bench/gpu_streams.py's logic on the CPU: each negative-control arm removes exactly its ordering
+"""bench/kernels/gpu_streams.py's logic on the CPU: each negative-control arm removes exactly its ordering
 from the executor's hop (fake CUDA, as in test_streams.py) and restores it; the verdicts; the
 profiler-trace classification. And the committed GPU results, when present, agree with the
 envelopes' ``launches_on_legacy_stream`` and show every control failing."""
@@ -21,7 +21,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 
 @pytest.fixture(scope="module")
 def gs():
-    from bench import gpu_streams
+    from bench.kernels import gpu_streams
     return gpu_streams
 
 
@@ -101,7 +101,7 @@ def test_dry_run_writes_its_command_and_arms(gs, tmp_path):
     out = tmp_path / "neg.json"
     gs.main(["negative", "--dry-run", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["dry_run"] and res["env"]["command"].endswith(f"-m bench.gpu_streams negative --dry-run --out {out}")
+    assert res["dry_run"] and res["env"]["command"].endswith(f"-m bench.kernels.gpu_streams negative --dry-run --out {out}")
     assert set(res["arm_patches"]) == set(gs.ARMS) and res["arm_patches"]["pack"] == []
 
 
@@ -113,7 +113,7 @@ def _results(pattern):
 @pytest.mark.parametrize("path", _results("kernel_streams_*.json") or [None])
 def test_measured_kernel_streams_agree_with_the_envelopes(path):
     if path is None:
-        pytest.skip("no bench/results/kernel_streams_*.json yet (bench/gpu_streams.py kernels, on the GPU)")
+        pytest.skip("no bench/results/kernel_streams_*.json yet (bench/kernels/gpu_streams.py kernels, on the GPU)")
     res = json.load(open(path))
     ran = {f: r for f, r in res["families"].items() if r.get("agrees") is not None}
     assert ran, f"{path}: no family ran"
@@ -126,6 +126,6 @@ def test_measured_kernel_streams_agree_with_the_envelopes(path):
 @pytest.mark.parametrize("path", _results("streams_negative_controls_*.json") or [None])
 def test_measured_negative_controls_each_fail_and_the_pack_never(path):
     if path is None:
-        pytest.skip("no bench/results/streams_negative_controls_*.json yet (bench/gpu_streams.py negative, on the GPU)")
+        pytest.skip("no bench/results/streams_negative_controls_*.json yet (bench/kernels/gpu_streams.py negative, on the GPU)")
     res = json.load(open(path))
     assert res["verdict"]["pack_clean"] and all(res["verdict"]["each_removed_corrupts"].values()) and res["ok"]

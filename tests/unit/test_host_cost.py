@@ -1,4 +1,4 @@
-"""bench/host_cost.py's plumbing on the CPU (issue #39 point 2): its ratios are computed from its arms
+"""bench/cost/host_cost.py's plumbing on the CPU (issue #39 point 2): its ratios are computed from its arms
 (a fake arm twice as slow reads ~2; the e2e ratio is the steps' medians from step 2 on), and the
 ``--cpu --tiny`` smoke runs in-process through ComfyUI's ModelPatcher, SafeSage's node entry point and
 the tests' fake kernel families, writing every field; the GPU-only parts skip, saying why. Timings
@@ -26,7 +26,7 @@ if importlib.util.find_spec("comfy") is None:
 import comfy.cli_args  # noqa: E402
 
 comfy.cli_args.args.cpu = True     # before comfy.model_management is imported (here or by the pack's routes)
-from bench import host_cost, host_cost_e2e, host_cost_timing  # noqa: E402
+from bench.cost import host_cost, host_cost_e2e, host_cost_timing  # noqa: E402
 
 
 def busy(us: float):
@@ -101,7 +101,7 @@ def test_cpu_tiny_smoke_writes_every_field_from_its_arms(tmp_path, fq):
     out = tmp_path / "host_cost_cpu.json"
     res = host_cost.main(["--cpu", "--tiny", "--out", str(out)])
     d = json.loads(out.read_text())
-    assert d["command"].startswith("python3 -m bench.host_cost") and d["device"] == "cpu" and d["tiny"]
+    assert d["command"].startswith("python3 -m bench.cost.host_cost") and d["device"] == "cpu" and d["tiny"]
     tl = d["runs"][-1]["timeline"]
     assert tl and all(len(m) == 2 for m in tl) and tl[-1][1].startswith("wrote")
     assert "method" in d and "host_time" in d["method"]

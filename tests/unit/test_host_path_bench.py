@@ -1,6 +1,6 @@
-"""bench/host_path.py runs the pack's real override on the CPU and reports what issue #29 names
+"""bench/cost/host_path.py runs the pack's real override on the CPU and reports what issue #29 names
 (its numbers are timings: checked here for shape, never for speed)."""
-from bench import host_path
+from bench.cost import host_path
 from safe_ops.ui import run_stats
 
 

@@ -1,4 +1,4 @@
-"""bench/tables.py merge_into_table: the one way a measured run enters safe_ops/facts/kernel_table.json
+"""bench/common/tables.py merge_into_table: the one way a measured run enters safe_ops/facts/kernel_table.json
 (``tables.py --update-table`` and ``gpu_kvchunks.py --update-table`` both call it)."""
 import json
 

@@ -1,10 +1,10 @@
-"""bench.latent_errors: each arm's final-latent error per prompt from a bench.repro result, and the
+"""bench.quality.latent_errors: each arm's final-latent error per prompt from a bench.repro result, and the
 earlier JSON kept whole under ``before`` (hand-made results; no torch)."""
 from __future__ import annotations
 
 import json
 
-from bench import latent_errors as le
+from bench.quality import latent_errors as le
 
 RESULT = {"command": "python -m bench.repro all --comfy /tmp/comfy/c0dd --ckpt X --plan 38k:pytorch 38k:safesage",
           "runs": [
@@ -43,4 +43,4 @@ def test_into_adds_the_errors_and_keeps_the_earlier_json_whole_under_before(tmp_
     assert doc["summary"] == {"x": 1}
     assert doc["before"] == {"source": "cost.json at abc", "doc": json.loads(old.read_text())}
     assert doc["final_latent_error"]["arms"]["38k:safesage"]["prompts"][1]["rel_l2_vs_pytorch"] == 0.123
-    assert doc["final_latent_error"]["command"].startswith("python3 -m bench.latent_errors ")
+    assert doc["final_latent_error"]["command"].startswith("python3 -m bench.quality.latent_errors ")

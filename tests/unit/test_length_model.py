@@ -1,5 +1,5 @@
 """Preflight's longest length (issue #47 item 3): the length model (safe_ops/ui/length_model.py) with the
-constants bench.fit_lengths fitted from committed GPU runs (safe_ops/facts/length_model.json).
+constants bench.length.fit_lengths fitted from committed GPU runs (safe_ops/facts/length_model.json).
 
 The facts file is the fit of its committed sources; the model reproduces the lengths it was fitted on
 (and the plans the probes logged); its longest length lands within 15 % of bench/results/
@@ -26,7 +26,7 @@ MEASURED = ML["budgets"]["24"]["arms"]
 
 @pytest.fixture(scope="module")
 def refit():
-    from bench import fit_lengths
+    from bench.length import fit_lengths
     return fit_lengths.fit(*fit_lengths.load())
 
 

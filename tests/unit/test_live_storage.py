@@ -1,6 +1,6 @@
-"""bench/live_storage.py's tracker (issue 47 item 1): a known sequence of allocations and frees gives a
+"""bench/common/live_storage.py's tracker (issue 47 item 1): a known sequence of allocations and frees gives a
 known peak, the storages live there with the line that made each, and the live bytes after each free.
-bench/standin_families.py's sage stand-in: what it allocates is what its ``temp_bytes`` says, its
+bench/common/standin_families.py's sage stand-in: what it allocates is what its ``temp_bytes`` says, its
 result is SDPA's."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench.live_storage import LiveStorages, fit_linear, top_sites  # noqa: E402
-from bench import standin_families  # noqa: E402
+from bench.common.live_storage import LiveStorages, fit_linear, top_sites  # noqa: E402
+from bench.common import standin_families  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 F32 = 4

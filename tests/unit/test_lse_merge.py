@@ -202,9 +202,9 @@ def test_fused_kernel_under_the_triton_interpreter():
 
 
 def test_bench_merge_section_fields(tmp_path):
-    """bench/kvchunks_merge.py (python -m bench.gpu_kvchunks --only merge): the ratio names the issue
+    """bench/kernels/kvchunks_merge.py (python -m bench.kernels.gpu_kvchunks --only merge): the ratio names the issue
     asks for, and the earlier numbers read from the committed results under ``*_before`` names."""
-    from bench.kvchunks_merge import before_numbers, ratios
+    from bench.kernels.kvchunks_merge import before_numbers, ratios
     r = ratios({"plain": 100.0, "lse": 104.0, "kv_fused": 104.4, "kv_old": 105.2})
     assert r["kv_chunks_over_lse"] == pytest.approx(104.4 / 104) and r["kv_chunks_over_plain"] == pytest.approx(1.044)
     assert r["kv_chunks_over_lse_old_merge"] == pytest.approx(105.2 / 104)

@@ -1,4 +1,4 @@
-"""bench/max_length.py (issue #40): the search over H3's frame grid with fake probes, what a bench.repro
+"""bench/length/max_length.py (issue #40): the search over H3's frame grid with fake probes, what a bench.repro
 row's outcome means there (on committed rows), the ratio fields, the JSON merge, the WxHxL sizes of
 bench/repro, Preflight's per-arm prediction (the length model) and its check against the measured lengths,
 and a whole call with the servers replaced by a fake worker (each arm starting at its predicted length, the hold, the output check without
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import max_length_search as ms
+from bench.length import max_length_search as ms
 from bench.repro import arms
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -228,10 +228,10 @@ def _rt():
 
 
 def test_preflights_prediction_is_the_length_models_per_arm():
-    # bench.max_length records Preflight's longest length per arm (safe_ops.ui.length_model.longest, the
+    # bench.length.max_length records Preflight's longest length per arm (safe_ops.ui.length_model.longest, the
     # emulated arch's scenario) and starts each arm's search there; sage 1.0.6 is predicted as unguarded sage
     import argparse
-    from bench import max_length
+    from bench.length import max_length
     from safe_ops.models.h3.dims import h3_tokens
     from safe_ops.ui import length_model as lm
     from safe_ops.ui import preflight as pf
@@ -301,7 +301,7 @@ def _fake_row(rows_seen):
 
 def test_a_whole_call_with_fake_servers(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from bench import max_length
+    from bench.length import max_length
     from bench.repro import driver, worker
     seen = []
     monkeypatch.setattr(worker, "run_row", _fake_row(seen))
@@ -355,7 +355,7 @@ def test_a_whole_call_with_fake_servers(tmp_path, monkeypatch):
 
 def test_one_budget_split_over_two_calls_merges_per_arm(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from bench import max_length
+    from bench.length import max_length
     from bench.repro import driver, worker
     monkeypatch.setattr(worker, "run_row", _fake_row([]))
     monkeypatch.setattr(driver, "Ballast", FakeHold)
@@ -396,7 +396,7 @@ def test_on_a_gpu_preflights_prediction_is_asked_in_a_child_that_sees_no_gpu(tmp
     hold is sized), whose answer is the in-process one."""
     import subprocess as sp
 
-    from bench import max_length
+    from bench.length import max_length
     argv = ["--comfy", "x", "--ckpt", "x", "--budget-gib", "24", "--out", str(tmp_path / "o.json")]
     a = max_length.parser().parse_args(argv)
     seen = {}

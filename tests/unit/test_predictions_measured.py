@@ -2,13 +2,13 @@
 the envelope's own formula typed again. Pure data: the plans are made here from the envelopes, the
 numbers they must meet are the committed measurements.
 
-* bench/results/attention_h200.json (``python3 bench/gpu_attention.py bench --sizes
+* bench/results/attention_h200.json (``python3 bench/kernels/gpu_attention.py bench --sizes
   38000,99866,169000``; sageattention 1.0.6 on an H200), per S:
   ``extra_peak_bytes_inlimit_kernel``: sageattn on contiguous HND q/k/v, i.e. the kernel's own
   temporaries (quantised copies, scales, output) -- the envelope's ``temp_bytes``;
   ``extra_peak_bytes_guarded``: the guarded call on H3's strided views -- the plan's
   ``peak_bytes`` (its copies plus the kernel's temporaries).
-* bench/results/kvchunks_h200.json (``python3 bench/gpu_kvchunks.py --only kvchunks,...``;
+* bench/results/kvchunks_h200.json (``python3 bench/kernels/gpu_kvchunks.py --only kvchunks,...``;
   sageattention 2.2.0's per_warp kernel on an H200, sm_120's 150,000-key rule added so the
   planner chunks the keys): ``peak_extra_kv`` for the kv_chunks plan, ``peak_extra_ref`` for the
   same kernel's unchunked plan, each the first call through SafeAttention.

@@ -143,7 +143,7 @@ def test_tools_demo_runs_the_demo_with_this_python():
 
 
 def test_mlp_prediction_against_the_h200_measurement():
-    """bench/results/mlp_h200.json (python3 bench/bench_mlp.py on an H200): chunked predictions
+    """bench/results/mlp_h200.json (python3 bench/mlp/bench_mlp.py on an H200): chunked predictions
     between 0.90x and 1.30x the measured working memory (per_token_bytes counts the fp8 input
     copies of the scaled_mm path, which the dequantising path does not make), unchunked ones
     never below it."""
@@ -162,7 +162,7 @@ def test_mlp_prediction_against_the_h200_measurement():
 
 
 def test_mlp_prediction_against_comfyuis_own_layers_on_the_h200():
-    """bench/results/mlp_comfy_*h200*.json (bench/gpu_mlp_comfy.py: ComfyUI 0dd9b154's MLP and ops on
+    """bench/results/mlp_comfy_*h200*.json (bench/mlp/gpu_mlp_comfy.py: ComfyUI 0dd9b154's MLP and ops on
     an H200, extra peak memory of one call; the earlier runs of the pack's mirror of ComfyUI's
     layers, and of ComfyUI's own forward per chunk): the prediction is never below the
     measurement; on the quantised paths (fp8 _scaled_mm, int8) it is within 6 %, on bf16 (no

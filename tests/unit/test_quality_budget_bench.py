@@ -1,4 +1,4 @@
-"""bench.quality_budget (issue 46 goal 8): its arms and JSON on the CPU with the fake families
+"""bench.quality.quality_budget (issue 46 goal 8): its arms and JSON on the CPU with the fake families
 (fake_quality_families.py; speeds and random-input errors as test_quality_budget.py's ``speeds``
 fixture gives them: fake_sage 100 TFLOP/s / 0.04, fake_kitchen 98 / 0.017), end to end through
 ``--cpu --tiny``, and the pure assembly (prices, targets, misses, merge) on hand-made numbers."""
@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench import quality_budget as qb  # noqa: E402
+from bench.quality import quality_budget as qb  # noqa: E402
 from test_quality_budget import speeds  # noqa: E402,F401 (the fixture)
 
 

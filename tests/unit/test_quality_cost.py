@@ -1,4 +1,4 @@
-"""bench/quality_cost.py: the guard's step-1 cost as a share of the sampling time in the graph's own
+"""bench/quality/quality_cost.py: the guard's step-1 cost as a share of the sampling time in the graph's own
 steps, 20 and 2 (issue 46 goal 7; first issue #37 point 4)."""
 import copy
 import json
@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from bench import quality_cost
+from bench.quality import quality_cost
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
 
@@ -159,7 +159,7 @@ def test_cli_writes_each_path_the_targets_and_the_exclusions(tmp_path):
     assert doc["targets"]["later_prompt_2_steps"] == "<= 0.01" and "not measured" in doc["targets"]["remembered_prompt"]
     assert doc["probe_overhead_fraction_30_steps_before"] == pytest.approx(0.00552) and "probe_overhead_fraction" not in doc
     assert "p2: prompt 1 includes the PTX JIT" in doc["exclusions"]
-    assert doc["command"].startswith("python3 -m bench.quality_cost ") and set(doc["paths"]) == {"p1", "p2"}
+    assert doc["command"].startswith("python3 -m bench.quality.quality_cost ") and set(doc["paths"]) == {"p1", "p2"}
     with pytest.raises(SystemExit, match="PATH:PROMPT"):
         quality_cost.main([str(a), "--path", "p1", "--out", str(out), "--includes", "p9:1=x"])
 

@@ -201,12 +201,12 @@ def test_sage106_drift_moves_when_it_is_the_majority(seed_majority):
 
 # ------------------------------------------- the target on committed measurements it was not fitted to
 def test_committed_measurements_decided_again_move_no_benign_block_and_lose_no_drifting_move():
-    """bench.quality_decisions feeds the committed per-block errors (H200 38k: 3 seeds x sage 1.0.6 and
+    """bench.quality.quality_decisions feeds the committed per-block errors (H200 38k: 3 seeds x sage 1.0.6 and
     sage 2.2's fp8-PV paths; H100 8k: five profiles x three sage paths) to today's decide(). No benign
     block moves anywhere (the 8k sage 1.0.6 runs moved 7 early blocks before KERNEL_EXCESS); every
     drifting block moves on the sets KERNEL_EXCESS was fitted on (H200 38k, the 8k default profile);
     on the others (majority, gradual, heads, keys) no drifting block the committed run moved stays."""
-    from bench import quality_decisions as qd
+    from bench.quality import quality_decisions as qd
     for name in ("quality_guard_sage106_h200.json", "quality_guard_sage22_h200.json"):
         for run, r in qd.h200_runs(str(REPO / "bench" / "results" / name)).items():
             assert r["benign_moved"] == [] and r["drifting_kept"] == [], (name, run, r["lines"])
@@ -231,7 +231,7 @@ def test_a_majority_of_sage1_drifting_blocks_moves_over_twice_its_random_input_e
     is the drift and the fault tolerance (0.05) is above it, so nothing moved in the committed run.
     The ceiling of 2 x sage 1's random-input error (0.027) moves every drifting block over it, to
     comfy-kitchen (3.4x or more better on each), and no benign block."""
-    from bench import quality_decisions as qd
+    from bench.quality import quality_decisions as qd
     path = REPO / "bench" / "results" / "quality_guard_profiles_before_h100.json"
     blocks = json.loads(path.read_text())["profiles"]["majority"]["sage106_sm89"]["guard"]["blocks"]
     r = qd.profiles(str(path))["majority"]["sage106_sm89"]
@@ -271,7 +271,7 @@ def test_the_device_run_under_todays_targets_moved_what_the_offline_check_predic
     the ceiling (18 of 30); each profile and path moved as many blocks as quality_decisions_offline.json
     predicted from the earlier run's errors; and today's decide() on this run's own errors gives
     exactly the device's moves (the guard decides as targets.decide does)."""
-    from bench import quality_decisions as qd
+    from bench.quality import quality_decisions as qd
     path = REPO / "bench" / "results" / "quality_guard_profiles_h100.json"
     device = json.loads(path.read_text())["profiles"]
     offline = json.loads((REPO / "bench" / "results" / "quality_decisions_offline.json").read_text())

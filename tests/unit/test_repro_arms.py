@@ -13,7 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bench import synth_h3  # noqa: E402
+from bench.common import synth_h3  # noqa: E402
 from bench.repro import arms, driver, verdict, worker  # noqa: E402
 
 
@@ -101,7 +101,7 @@ def test_each_later_prompt_is_compared_with_the_same_prompt_of_pytorch_and_ungua
 
 
 def _synth_file(path, drift):
-    """A file with a safetensors header recording bench.synth_h3 settings (no tensors)."""
+    """A file with a safetensors header recording bench.common.synth_h3 settings (no tensors)."""
     meta = {synth_h3.SETTINGS_KEY: json.dumps({"seed": 0, "drift": drift})}
     header = json.dumps({"__metadata__": meta}).encode().ljust(256)     # one size for either drift
     path.write_bytes(struct.pack("<Q", len(header)) + header)

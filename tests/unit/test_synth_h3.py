@@ -1,4 +1,4 @@
-"""bench/synth_h3.py's synthetic late-block drift (issue 46 goal 8): the chosen q_norm/k_norm gain
+"""bench/common/synth_h3.py's synthetic late-block drift (issue 46 goal 8): the chosen q_norm/k_norm gain
 channels of the chosen blocks are scaled, everything else is bit-identical to the undrifted checkpoint of
 the same seed; the settings are recorded in the file's metadata and ``--reuse`` keys on them.
 
@@ -22,7 +22,7 @@ _needs("comfy.cli_args", "no ComfyUI on PYTHONPATH").args.cpu = True     # befor
 _needs("comfy.ldm.minimax.model", "this ComfyUI has no MiniMax H3 (needs 0dd9b154 or later)")
 import torch  # noqa: E402
 
-from bench import synth_h3  # noqa: E402
+from bench.common import synth_h3  # noqa: E402
 
 TINY = dict(synth_h3.REAL, hidden_size=256, num_attention_heads=2, ffn_hidden_size=512, text_dim=512,
             time_embed_hidden_size=256, time_embed_dim=128)

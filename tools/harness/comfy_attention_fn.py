@@ -5,7 +5,7 @@ With COMFYUI_PATH pointing at a ComfyUI tree, ``attention()`` is that tree's
 stand-in with the same contract: ``wrap_attn`` (modelled on ComfyUI's: hands the call to
 ``transformer_options["optimized_attention_override"](func, ...)`` once, marking the kwargs
 with ``_inside_attn_wrapper``) around PyTorch SDPA. ``load(path, cpu)`` is the benches' form
-(bench/gpu_compile.py, bench/gpu_attention.py): the tree they are given, else the stand-in.
+(bench/kernels/gpu_compile.py, bench/kernels/gpu_attention.py): the tree they are given, else the stand-in.
 
 ComfyUI is imported from ``PYTHONPATH``, never by editing ``sys.path``: whoever starts the process puts
 the tree there (.ci/run does for the tests; ``PYTHONPATH=$COMFYUI_PATH python3 -m bench....`` for a

@@ -6,7 +6,7 @@ bench/repro/worker.py symlinks this folder into the custom_nodes of the server i
 
   SAFESAGE_REPRO_PROBE_OUT     a JSON file this pack rewrites at every phase, so what it saw before
                                a native abort is still there after it
-  SAFESAGE_REPRO_EMULATE_ARCH  e.g. sm120 (bench/benchutil.py): the start-up hook
+  SAFESAGE_REPRO_EMULATE_ARCH  e.g. sm120 (bench/common/benchutil.py): the start-up hook
 
 Start-up hook. ComfyUI imports custom nodes after main.py's own start-up (cli args, comfy-aimdo,
 cuda_malloc, devices) and before it serves a prompt. With SAFESAGE_REPRO_EMULATE_ARCH set, this
@@ -39,7 +39,7 @@ import time
 
 # this pack is loaded by ComfyUI from custom_nodes/, not as part of bench/: the repository is on the
 # server's PYTHONPATH (bench/repro/worker.py puts it there)
-from bench import benchutil
+from bench.common import benchutil
 from bench.repro import memory
 
 log = logging.getLogger("safesage_repro")

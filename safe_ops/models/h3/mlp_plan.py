@@ -15,7 +15,7 @@ from .dims import H3_FFN, H3_HIDDEN
 #: token counts the planner rounds to
 CHUNK_ALIGN = 256
 #: "auto" aims at this many tokens per chunk. Measured on an H200 through ComfyUI 0dd9b154's
-#: own ops (bench/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json, GPU busy as inside
+#: own ops (bench/mlp/gpu_mlp_comfy.py -> bench/results/mlp_comfy_h200.json, GPU busy as inside
 #: the model): the GEMMs of 6,912-token chunks run less efficiently than the whole sequence's
 #: (fp8 +2.8% to +3.4% over 38k-169k tokens); with 16,384-token chunks fp8 is +1.6% to +1.9%
 #: (the pack's earlier mirror of ComfyUI's layers). ComfyUI's own forward per chunk, chunks
