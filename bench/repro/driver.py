@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from .. import synth_h3
+from ..common import synth_h3
 from . import arms, logs, worker
 
 

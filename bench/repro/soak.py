@@ -19,7 +19,7 @@ import shlex
 import sys
 import time
 
-from .. import synth_h3
+from ..common import synth_h3
 from . import arms, replans, workflow
 from .worker import make_server
 

@@ -1,12 +1,9 @@
 """bench/kernels/gpu_attention.py's verdict on an unguarded child: the GPU test
 ``test_unguarded_call_faults_or_is_wrong_in_a_subprocess`` and every stress table trust it."""
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench"))
-ga = pytest.importorskip("gpu_attention", reason="bench/kernels/gpu_attention.py needs torch")
+ga = pytest.importorskip("bench.kernels.gpu_attention", reason="bench/kernels/gpu_attention.py needs torch")
 
 GOOD = {"worst_head_rel_err": 0.01, "finite": True, "tail_worst_row_rel_err": 0.02}
 

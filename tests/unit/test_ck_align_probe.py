@@ -111,7 +111,9 @@ def test_measured_outcomes_are_the_envelopes(path):
     """On the GPU: comfy-kitchen raised exactly where the envelope predicted (and which check),
     nothing crashed or left a CUDA error, and every contiguous copy ran, finite."""
     d = json.loads(path.read_text())
-    assert not d["dry_run"] and d["command"].startswith("python3 -m bench.kernels.ck_align_probe")
+    # recorded under the module's name before issue 49 moved it into bench/kernels/, or after
+    recorded = ("python3 -m bench.ck_align_probe", "python3 -m bench.kernels.ck_align_probe")
+    assert not d["dry_run"] and d["command"].startswith(recorded)
     for c in d["cases"]:
         assert "crashed" not in c, (c["name"], c.get("crashed"))
         m, r = c["measured"], c["repacked"]

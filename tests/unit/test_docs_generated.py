@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_benchmarks_doc_is_generated_from_the_results(bench_tables):
     want = bench_tables.render()
     got = (REPO / "docs" / "BENCHMARKS.md").read_text()
-    assert got == want, "docs/BENCHMARKS.md is stale: run `python bench/common/tables.py` and commit it"
+    assert got == want, "docs/BENCHMARKS.md is stale: run `python -m bench.common.tables` and commit it"
 
 
 def test_every_result_section_has_its_json_and_command(bench_tables):
