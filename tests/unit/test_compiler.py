@@ -122,7 +122,7 @@ def test_each_run_takes_its_plan_from_the_ladder_without_replanning(prefetch, mo
 
 
 def test_first_call_check_runs_with_the_graph_paused(prefetch, monkeypatch):
-    import safe_ops.attention.override as A
+    import safe_ops.attention.fallbacks as A     # the first-call check (override.py's verify stage)
     seen = []
     real = A.compare
 
