@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build (or reuse) a test environment: a venv with CPU torch + one ComfyUI's requirements, and
-# that ComfyUI source tree. Idempotent; needs only PyPI (and the local torch wheel).
+# that ComfyUI source tree. Idempotent; needs only PyPI and PyTorch's CPU wheel index (or whatever
+# SAFESAGE_TORCH_PIP_ARGS names for torch; see torch_pip_args).
 #
 #   bash .ci/setup_env.sh [TARGET]     prints `export` lines on stdout (progress on stderr)
+#   bash .ci/setup_env.sh --torch-source   where torch would come from: a line saying so, then pip's arguments
 #   source .ci/setup_env.sh TARGET     exports them into the calling shell
 #
 # exports SAFESAGE_PYTHON (the venv's python), COMFYUI_PATH (the tree) and SAFESAGE_COMFY_TARGET.
@@ -63,6 +65,7 @@ fi
 set -euo pipefail
 
 TORCH_VERSION=2.13.0
+TORCH_CPU_INDEX=https://download.pytorch.org/whl/cpu
 HORDE_VERSION=2.22.2
 COMFY_VERSION=0.3.75
 # The tree passes: "NAME ARCHIVE TOP" -- ARCHIVE in $shared_dir/comfyui/ (with ARCHIVE.sha256),
@@ -95,8 +98,34 @@ for line in "${TREE_PASSES[@]}"; do
     [[ $t_name == "$target" ]] && { tree_archive=$t_archive; tree_top=$t_top; }
 done
 
+# Where torch comes from (the demo's rule, tools/demo.py): PyTorch's CPU wheel index by default -- on
+# plain PyPI `torch==2.13.0` is the multi-GB CUDA build. SAFESAGE_TORCH_PIP_ARGS, when set, replaces the
+# index arguments (an --index-url, a --find-links folder, a wheel file); set empty, pip's own
+# configuration decides. Where the CPU index cannot be reached (a machine with a local mirror), pip is
+# told not to retry it (--retries 0: ~15 s instead of ~90 s of back-off) and takes torch from what its
+# configuration adds (find-links, extra indexes); a CUDA build installed that way stops the setup.
+torch_pip_args() {
+    if [[ -n "${SAFESAGE_TORCH_PIP_ARGS+set}" ]]; then
+        read -r -a torch_args <<<"$SAFESAGE_TORCH_PIP_ARGS"
+        torch_from="SAFESAGE_TORCH_PIP_ARGS='$SAFESAGE_TORCH_PIP_ARGS'"
+        return
+    fi
+    torch_args=(--index-url "$TORCH_CPU_INDEX")
+    torch_from="PyTorch's CPU wheel index $TORCH_CPU_INDEX"
+    if ! "$base_python" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=10)' \
+            "$TORCH_CPU_INDEX" 2>/dev/null; then
+        torch_args+=(--retries 0)
+        torch_from="$torch_from (unreachable from here: pip's configured find-links / extra indexes)"
+    fi
+}
+
 if [[ $target == --list ]]; then
     printf '%s\n' "${all_targets[@]}"
+    exit 0
+fi
+if [[ $target == --torch-source ]]; then   # what build_venv would run, one argument a line; nothing built
+    torch_pip_args
+    printf '%s\n' "$torch_from" "${torch_args[@]}"
     exit 0
 fi
 case "$target" in
@@ -219,7 +248,11 @@ build_venv() {
     "$base_python" -m venv "$venv" \
         || die "cannot create a venv with $base_python (on Debian/Ubuntu: apt-get install python3-venv)"
     echo "torch==$TORCH_VERSION" > "$venv/constraints.txt"
-    pip_quiet "$py" -m pip install -q "torch==$TORCH_VERSION"
+    torch_pip_args
+    log "torch==$TORCH_VERSION from $torch_from"
+    pip_quiet "$py" -m pip install -q "${torch_args[@]}" "torch==$TORCH_VERSION"
+    "$py" -c 'import sys, torch; sys.exit(0 if torch.version.cuda is None else 1)' \
+        || die "pip installed a CUDA build of torch ($("$py" -c 'import torch; print(torch.__version__)')); the tests need the CPU build: set SAFESAGE_TORCH_PIP_ARGS to pip arguments that reach it (e.g. --index-url $TORCH_CPU_INDEX)"
     pip_quiet "$py" -m pip install -q -c "$venv/constraints.txt" -r "$comfy/requirements.txt" "${EXTRA_PACKAGES[@]}"
     local site
     site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
@@ -228,7 +261,7 @@ build_venv() {
 }
 
 key="$( {
-    declare -f build_venv smoke_test   # the recipe only: other edits of this script keep the venv
+    declare -f build_venv smoke_test torch_pip_args   # the recipe only: other edits of this script keep the venv
     cat "$here/cpu_torch_shim.py" "$comfy/requirements.txt"
     echo "torch==$TORCH_VERSION ${EXTRA_PACKAGES[*]}"
     "$base_python" -c 'import sys, platform; print(sys.version, platform.machine(), sys.platlibdir)'

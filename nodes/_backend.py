@@ -59,3 +59,14 @@ def preflight(width: int, height: int, length: int, ref_images: int, text_tokens
     from ..safe_ops.ui.status import model_context
     policy, note = model_context(model)
     return preflight_report(width, height, length, ref_images, text_tokens, policy=policy, model_note=note)
+
+
+def raylight_workers(ray_actors, settings: dict) -> str:
+    """The SafeSage Attention (raylight workers) node: the settings validated here (an invalid input
+    raises, as on the one-GPU node), then SafeSage applied in every raylight worker
+    (safe_ops.multigpu.raylight); the workers' status lines."""
+    require()
+    from ..safe_ops.multigpu import raylight
+    from ..safe_ops.policy import Policy
+    Policy(**settings)
+    return raylight.status_text(raylight.apply_to_workers(ray_actors, settings))

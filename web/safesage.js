@@ -19,7 +19,7 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const NODE_TYPE = "SafeSageAttention";
-const TEXT_NODE_TYPES = [NODE_TYPE, "SafeSagePreflight"]; // nodes whose ui text is shown on them
+const TEXT_NODE_TYPES = [NODE_TYPE, "SafeSagePreflight", "SafeSageRaylight"]; // nodes whose ui text is shown on them
 const STATUS = "safesage_status";
 const STATS_CMD = "SafeSage.ShowStats";
 const QUALITY_EVENT = "safesage.quality";

@@ -3,7 +3,7 @@
 :func:`move_order` is the one rule. The guard measures and moves by it (``PlanChoice.quality_order``:
 ``quality/guard.py`` measures those families as candidates at step 1, ``quality/targets.decide`` moves a
 block to the first one under its target, else to ComfyUI's own attention), the node's status line and
-Preflight word it (:func:`describe`, :func:`runtime_move_order`), and README.md / docs/DESIGN.md
+Preflight word it (:func:`describe`, :func:`runtime_move_order`), and docs/USING.md / docs/DESIGN.md
 carry its table for the common setups (tests/unit/test_quality_order.py renders it and checks them).
 
 The order is ``[planned, target, ...]``:
@@ -129,7 +129,7 @@ def describe(order: list[str]) -> str:
 
 
 def table_markdown(rows: list[tuple[str, str, list[str]]]) -> str:
-    """A markdown table of move orders: (GPU, ComfyUI started with, order) per row -- README.md and
+    """A markdown table of move orders: (GPU, ComfyUI started with, order) per row -- docs/USING.md and
     docs/DESIGN.md carry it (tests/unit/test_quality_order.py renders and checks them)."""
     out = ["| GPU | ComfyUI started with | blocks run | a block over its target moves to |",
            "| --- | --- | --- | --- |"]

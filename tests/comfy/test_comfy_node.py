@@ -23,6 +23,18 @@ def _combo_options(spec):
     return spec[1]["options"]
 
 
+def test_raylight_node_in_object_info(comfy):
+    """The node that applies SafeSage in raylight's Ray workers: takes and gives raylight's RAY_ACTORS."""
+    node = comfy.object_info()["SafeSageRaylight"]
+    assert node["python_module"] == EXPECTED_MODULE
+    req = node["input"]["required"]
+    assert list(req) == ["ray_actors", "kernel", "mlp_chunking", "mlp_chunk_tokens", "verify"]
+    assert req["ray_actors"][0] == "RAY_ACTORS" and node["output"] == ["RAY_ACTORS"]
+    assert _combo_options(req["kernel"]) == ["auto", "sage", "sdpa"]
+    for name, spec in req.items():
+        assert len(spec) > 1 and spec[1].get("tooltip"), "input %r has no tooltip" % name
+
+
 def test_node_in_object_info(comfy):
     info = comfy.object_info()
     assert "SafeSageAttention" in info, (

@@ -1,6 +1,6 @@
 """The quality guard's move order under the node's defaults (issue #37 point 1): where a block over its
 target moves, per GPU, policy and ComfyUI flag -- attention/move_order.py, the one rule that
-``PlanChoice.quality_order`` (the guard), the node's status line, Preflight and the README's table use.
+``PlanChoice.quality_order`` (the guard), the node's status line, Preflight and docs/USING.md's table use.
 
 Every GPU here is emulated (tests/unit/emulated_gpus.py: its arch and name, stand-in sageattention 2.2 /
 comfy-kitchen 0.2.40 packages, ComfyUI's flags); the order is what the real registry, planner and
@@ -151,23 +151,23 @@ def test_every_shipped_family_has_a_drift_rank():
 
 
 # ------------------------------------------------------------------------------------------------
-README_ROWS = [  # (GPU, its emulation, ComfyUI's flag, the flag in words, kernel)
+USING_ROWS = [  # (GPU, its emulation, ComfyUI's flag, the flag in words, kernel)
     ("RTX 40xx (sm_89)", E.RTX4090, "sage", SAGE_FLAG, "auto"), ("RTX 40xx (sm_89)", E.RTX4090, "ck", CK_FLAG, "auto"),
     ("RTX 40xx (sm_89)", E.RTX4090, None, "neither", "auto"),
     ("RTX 50xx (sm_120)", E.RTX5090, "sage", SAGE_FLAG, "auto"), ("RTX 50xx (sm_120)", E.RTX5090, "ck", CK_FLAG, "auto"),
     ("RTX 50xx (sm_120)", E.RTX5090, None, "neither", "auto"),
     ("H100 (sm_90)", E.H100, "sage", SAGE_FLAG, "auto"), ("H200 (sm_90, measured)", E.H200, "sage", "any", "auto")]
-DESIGN_ROWS = README_ROWS + [
+DESIGN_ROWS = USING_ROWS + [
     ("RTX 30xx (sm_86)", E.RTX3090, "sage", SAGE_FLAG, "auto"), ("A100 (sm_80)", E.A100, "sage", SAGE_FLAG, "auto"),
     ("RTX 40xx (sm_89), `kernel` `sage`", E.RTX4090, None, "any", "sage"),
     ("RTX 50xx (sm_120), `kernel` `sage`", E.RTX5090, None, "any", "sage"),
     ("H100 / H200 (sm_90), `kernel` `sage`", E.H200, None, "any", "sage")]
 
 
-@pytest.mark.parametrize("doc, rows", [("README.md", README_ROWS), ("docs/DESIGN.md", DESIGN_ROWS)])
+@pytest.mark.parametrize("doc, rows", [("docs/USING.md", USING_ROWS), ("docs/DESIGN.md", DESIGN_ROWS)])
 def test_quality_order_docs_carry_the_orders_move_order_makes(packages, doc, rows):
-    """README.md's "Where a block moves" table (sage 2.2.0 + comfy-kitchen 0.2.40, the node's defaults) and
-    docs/DESIGN.md's are what move_order makes of those setups: the README's word that a drifting block
+    """docs/USING.md's "Where a block moves" table (sage 2.2.0 + comfy-kitchen 0.2.40, the node's defaults) and
+    docs/DESIGN.md's are what move_order makes of those setups: USING.md's word that a drifting block
     moves to comfy-kitchen is true where the table says so, and checked here."""
     from safe_ops.attention.move_order import table_markdown
     if doc == "docs/DESIGN.md":                  # kernel=sage on the H100 and the H200: one order
