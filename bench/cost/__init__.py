@@ -5,5 +5,7 @@
   process (issue 39)").
 - ``host_path``: SafeSage's own host time per call with null kernels -> host_path_cpu.json,
   host_path_h100.json (docs/MEASURED.md "SafeSage's host time per attention call").
+- ``host_frames``: the host Python frames per repeated guarded call (issue 49 item 1) ->
+  host_frames_cpu.json (docs/DEVELOPING.md, issue 49's note).
 - ``host_profile``: each piece of the guarded hot path timed alone (prints; writes no JSON).
 """

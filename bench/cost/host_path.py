@@ -20,8 +20,8 @@ null kernels launch nothing, so the host is all that is timed). The guarded Safe
 pack's real one (``kernel=sage``, a null kernel family); the runtime is a stand-in, so on a GPU its
 calls take the same-device path of any arch. The JSON records the machine; shared CPUs vary.
 
-    python3 -m bench.host_path --label final --out bench/results/host_path_cpu.json          (CPU)
-    python3 -m bench.host_path --device cuda --label final --out bench/results/host_path_h200.json
+    python3 -m bench.cost.host_path --label final --out bench/results/host_path_cpu.json          (CPU)
+    python3 -m bench.cost.host_path --device cuda --label final --out bench/results/host_path_h200.json
 """
 from __future__ import annotations
 
@@ -51,15 +51,13 @@ def per_call_us(fn, calls: int, rounds: int) -> float:
     return statistics.median(per)
 
 
-def measure(device: str = "cpu", calls: int = 2000, rounds: int = 7) -> dict:
-    """The rows and headline numbers (see the module docstring) on ``device``."""
-    import dataclasses
-
-    from safe_ops.attention.override import SafeAttention
+def null_setup(device: str = "cpu", family: str = "null_kernel") -> dict:
+    """The bench's pieces on ``device``: a stand-in runtime, a null kernel family (its kernel returns a
+    preallocated tensor), a null ComfyUI function, and the two call forms with each one's "kernel alone"
+    (host_frames.py builds its override from these too)."""
     from safe_ops.facts.devices import Runtime
     from safe_ops.families.envelope import Envelope
     from safe_ops.families.family import Kernel
-    from safe_ops.policy import Policy
 
     dev = torch.device(device)
     rt = Runtime("host-bench", None, None, None, None, None, "host-bench", None, None, None)
@@ -67,7 +65,7 @@ def measure(device: str = "cpu", calls: int = 2000, rounds: int = 7) -> dict:
     dt = torch.float32 if dev.type == "cpu" else torch.bfloat16
     out_hnd = torch.zeros(B, H, S, D, device=dev, dtype=dt)
     out_nhd = torch.zeros(B, S, H, D, device=dev, dtype=dt)
-    env = Envelope(family="null_kernel", source="bench/host_path.py", head_dims=(D,), dtypes=(str(dt)[6:],),
+    env = Envelope(family=family, source="bench/cost/host_path.py", head_dims=(D,), dtypes=(str(dt)[6:],),
                    supports_mask=False, terms=(), devices=(dev.type,), temp_bytes=lambda call: 0)
 
     def null_kernel(q, k, v, layout, scale):
@@ -80,11 +78,27 @@ def measure(device: str = "cpu", calls: int = 2000, rounds: int = 7) -> dict:
     x3 = torch.randn(B, S, 3 * H * D, device=dev, dtype=dt)
     q3, k3, v3 = x3.split(H * D, dim=-1)
     q4, k4, v4 = (t.view(B, S, H, D).transpose(1, 2) for t in (q3, k3, v3))
-    mask = torch.zeros(S, S, device=dev, dtype=dt)
     forms = {"3d": ((q3, k3, v3, H), {}, lambda: null_kernel(q3.view(B, -1, H, D), k3.view(B, -1, H, D),
                                                              v3.view(B, -1, H, D), "NHD", None).reshape(B, -1, H * D)),
              "4d_hnd_views": ((q4, k4, v4, H), {"skip_reshape": True, "skip_output_reshape": True},
                               lambda: null_kernel(q4, k4, v4, "HND", None))}
+    return {"dev": dev, "dt": dt, "shape": [B, S, H, D], "rt": rt, "env": env, "kernel": Kernel(env, null_kernel),
+            "null_kernel": null_kernel, "null_comfy": null_comfy, "forms": forms,
+            "mask": torch.zeros(S, S, device=dev, dtype=dt)}
+
+
+def measure(device: str = "cpu", calls: int = 2000, rounds: int = 7) -> dict:
+    """The rows and headline numbers (see the module docstring) on ``device``."""
+    import dataclasses
+
+    from safe_ops.attention.override import SafeAttention
+    from safe_ops.families.family import Kernel
+    from safe_ops.policy import Policy
+
+    su = null_setup(device)
+    dev, dt, rt, env, null_kernel = su["dev"], su["dt"], su["rt"], su["env"], su["null_kernel"]
+    null_comfy, forms, mask = su["null_comfy"], su["forms"], su["mask"]
+    B, S, H, D = su["shape"]
     rows = {}
     from safe_ops.quality import guard as quality_guard
     for quality in ("faults only", "balanced", "balanced, blocks moved"):
@@ -153,7 +167,7 @@ def main() -> None:
     torch.set_num_threads(1)
     m = measure(a.device, a.calls, a.rounds)
     sfx = "" if a.label == "final" else "_" + a.label
-    result = {**env_info("host_path"), "machine": platform.node(), "cpu": platform.processor() or platform.machine(),
+    result = {**env_info("cost.host_path"), "machine": platform.node(), "cpu": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "label": a.label, "calls": a.calls, "rounds": a.rounds,
               "device": m["device"], "dtype": m["dtype"], "shape_bshd": m["shape_bshd"], "rows": m["rows"],
               "hop": m["hop"]}

@@ -1,4 +1,6 @@
-"""The ``optimized_attention_override`` callable: normalise → choose → run → verify → count.
+"""The ``optimized_attention_override`` callable: special calls first, then find the plan → the quality
+guard chooses → run → verify once per class → record (:meth:`SafeAttention.attend_prepared`, the call's
+story; what a failure in it does: fallbacks.py).
 
 ComfyUI calls ``transformer_options["optimized_attention_override"](func, q, k, v,
 heads, mask=None, attn_precision=None, skip_reshape=False,
@@ -20,9 +22,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..facts import compiler
 from .. import contain
 from ..ui import run_stats
+from .fallbacks import Fallbacks
 from .handoff import ComfyCalls
 from .speed_budget import BudgetChoice
 from .plans import PlanChoice, Prepared
@@ -30,26 +32,40 @@ from .special_calls import INSIDE, INSIDE_KW, ContextCalls, capturing, torch_is_
 from ..facts.budget import BudgetReader
 from .call_forms import Normalised, UnsupportedCall, base_alignment, call_arguments, read_form, signature
 from .comfy_functions import function_name, unguarded_kind
-from .errors import is_build_error, is_cuda_error, is_oom
 from .executor import Executor
 from ..families.family import Kernel
 from ..families.sdpa import SDPA_KERNEL
 from ..families.registry import installed_kernels
 from .planner import Plan
 from ..policy import Policy
-from .verification import Verifier, compare
+from .verification import Verifier
 from ..facts.devices import Runtime, runtime
 from ..quality import guard as quality_guard
 from ..quality.guard import QualityGuard
 
 log = logging.getLogger("SafeSage")
 
+#: the quality guard's modes that choose a call's plan (the report step runs the choices too), and those
+#: that measure its output
+_CHOOSING = (quality_guard.CHOSEN, quality_guard.EXACT, quality_guard.REPORT)
+_MEASURED = (quality_guard.PROBE, quality_guard.REPORT)
+#: the quality guard's counters the record stage counts (run_stats.record_call's ``also``)
+_MOVED, _EXACT = quality_guard.STATS.key("moved_calls"), quality_guard.STATS.key("exact_calls")
+
+
+def _fallback_reason(p: Prepared, plan: Plan) -> str:
+    """The fallback an SDPA plan is: its reasons (no guarded kernel could run the call), "" when it has none."""
+    if not plan.reasons:
+        return ""
+    return p.fallback_reason if plan is p.plan else "; ".join(plan.reasons)
+
+
 #: what SafeAttention._call returns for a call it hands on unread (previous None): __call__ runs
 #: what ComfyUI runs for it outside the containment handler (ComfyUI's errors pass untouched)
 HAND_ON = object()
 
 
-class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
+class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls, Fallbacks):
     """Callable installed as ``transformer_options["optimized_attention_override"]``.
 
     ``previous``: an override that was already on the model (another pack's, core's
@@ -116,22 +132,18 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         # anyway); other packs deepcopy model_options freely.
         return self
 
-
-
-
-
     # --------------------------------------------------------------- calling
     @contain.boundary
     def __call__(self, func: Callable, *args: Any, **kwargs: Any) -> Any:
-        # torch.compile, CUDA-graph capture, inside another SafeSage: special_calls.py
+        # torch.compile (asked once per call, before anything else), inside another SafeSage: special_calls.py
         if getattr(func, "__wrapped__", None) is not None:
             func = unwrap_attn(func)
         if torch_is_compiling():        # traced by dynamo: nothing else first (special_calls.py)
             return self._compiled_call(func, args, kwargs)
         try:                            # the containment boundary (contain.py)
             if INSIDE_KW in kwargs or INSIDE.get():     # inside another SafeSage
-                return self._special_call(func, args, kwargs)
-            out = self._call(func, args, kwargs)    # CUDA-graph capture: asked there
+                return self._nested_call(func, args, kwargs)
+            out = self._call(func, args, kwargs)    # eager from here on: nothing asks torch again
             if out is not HAND_ON:
                 return out
             run = self._what_comfy_runs(self._layer_function(kwargs, func) if self.layer_functions else func)
@@ -140,10 +152,12 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         return run(*args, **kwargs)     # outside the handler: ComfyUI's errors are not chained to ours
 
     def _call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        """A call outside torch.compile and outside another SafeSage. A repeated signature
-        (call_forms.signature) takes the fast path: its plan, found in one lookup, and the call
-        bound to its form without being read again; a new one is read in full (:meth:`_first_call`).
-        Where no guarded kernel can take any call, the call goes straight to what ComfyUI runs."""
+        """An eager call outside another SafeSage, up to its story (:meth:`attend_prepared`). The special
+        calls are decided first: one no guarded kernel takes whatever it is (handed on unread), one
+        during CUDA-graph capture, one whose signature no guarded kernel takes under any budget. Then
+        the plan is found: a repeated signature's (call_forms.signature) in one lookup, the call bound
+        to its form without being read again; a new signature's read in full and planned
+        (:meth:`_first_call`, then :meth:`attend`)."""
         if self.layer_functions:
             func = self._layer_function(kwargs, func)
         a = call_arguments(args, kwargs)
@@ -151,21 +165,7 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
                                       or (a[4] is not None and not self._masks_guarded)):
             # no guarded kernel takes it, whatever it is (ComfyUI's attention_sage asks the same
             # first: full precision asked for, or a mask): ComfyUI's function, the call not read
-            c = run_stats.counts()
-            c["attention_calls"] = c.get("attention_calls", 0) + 1
-            c["plan:sdpa"] = c.get("plan:sdpa", 0) + 1
-            if not self._may_guard:
-                kind = "every call"
-            elif a[4] is not None:
-                kind = "masked calls"
-                run_stats.fallback(self._mask_reason)
-            else:
-                kind = "full-precision calls"
-            if kind not in self._unread_said:
-                self._name_unread(kind)
-            if self._quality_on:
-                self.quality.count_call(kwargs.get("transformer_options"))
-            return HAND_ON
+            return self._hand_on_unread(a, kwargs)
         key = signature(func, a, kwargs, self._key_alignment)
         if key is None:
             return self._first_call(func, args, kwargs, a, None)
@@ -181,14 +181,7 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         if p.never_guarded and self.previous is None:
             # no guarded kernel can take this signature under any budget (a mask, a head size no
             # family runs, ...): ComfyUI's function, counted as on the full path
-            c = run_stats.counts()
-            c["attention_calls"] = c.get("attention_calls", 0) + 1
-            c[p.count_key] = c.get(p.count_key, 0) + 1
-            if p.fallback_reason:
-                run_stats.fallback(p.fallback_reason, p.shape_key)
-            if self._quality_on:
-                self.quality.count_call(kwargs.get("transformer_options"))
-            return HAND_ON
+            return self._hand_on(p.count_key, p.fallback_reason, p.shape_key, kwargs)
         n = p.form.bind(a, kwargs)
         n.prepared = p
         if self._quality_on:
@@ -197,6 +190,28 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         if out is None:
             return self._run_comfy(func, args, kwargs, n)
         return out
+
+    def _hand_on_unread(self, a: tuple, kwargs: dict) -> Any:
+        """A call no guarded kernel takes whatever it is, handed on unread (HAND_ON): recorded, and its
+        kind named once in the statistics' plans."""
+        if not self._may_guard:
+            kind, why = "every call", ""
+        elif a[4] is not None:
+            kind, why = "masked calls", self._mask_reason
+        else:
+            kind, why = "full-precision calls", ""
+        if kind not in self._unread_said:
+            self._name_unread(kind)
+        return self._hand_on("plan:sdpa", why, None, kwargs)
+
+    def _hand_on(self, plan_key: str | None, reason: str, key: Any, kwargs: dict) -> Any:
+        """The record of a call SafeSage gives to ComfyUI unplanned or never guarded (HAND_ON: the
+        caller runs what ComfyUI runs): counted once, and counted by the quality guard, whose block
+        numbering counts every call of a forward."""
+        run_stats.record_call(plan_key, None, reason, key)
+        if self._quality_on:
+            self.quality.count_call(kwargs.get("transformer_options"))
+        return HAND_ON
 
     def _name_unread(self, kind: str) -> None:
         """Calls of ``kind`` are handed on unread: the statistics' plans say so, once."""
@@ -213,10 +228,8 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         try:
             n = read_form(a, kwargs).bind(a, kwargs)
         except UnsupportedCall as e:
-            run_stats.count("attention_calls")
-            run_stats.fallback(f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}")
-            if self._quality_on:        # handed on unread: it still counts in the call-order numbering
-                self.quality.count_call(kwargs.get("transformer_options"))
+            self._hand_on(None, f"unsupported call passed to {function_name(self._what_comfy_runs(func))}: {e}",
+                          None, kwargs)          # handed on unread: it still counts in the call-order numbering
             return self._run_comfy(func, args, kwargs, None)
         if self._quality_on:
             self._quality_context(n, kwargs)
@@ -227,23 +240,21 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
 
     def attend(self, n: Normalised, func: Callable | None = None,
                key: tuple | None = None) -> torch.Tensor | None:
-        """Plan (cached per call signature: ``key``, the call's raw signature, else the normalised
-        one), run a guarded kernel, verify the first call of each class. Returns the result in
-        the caller's form (Normalised.finish); None: no guarded kernel takes this call (the caller
-        runs ComfyUI's own)."""
+        """A call read in full: its plan found (cached per call signature: ``key``, the call's raw
+        signature, else the normalised one; made on a miss), then its story (:meth:`attend_prepared`).
+        Returns the result in the caller's form (Normalised.finish); None: no guarded kernel takes
+        this call (the caller runs ComfyUI's own)."""
         q = n.q4
         if n.q.shape[2] == 0:
-            run_stats.count("attention_calls")
-            run_stats.count("plan:empty")
+            run_stats.record_call("plan:empty")
             return None
         guard = self._guard_for(q.device)
         if guard is not self:
             if guard is not None:
                 return guard.attend(n, func, key)
-            run_stats.count("attention_calls")
-            run_stats.count("plan:other_gpu")
-            run_stats.fallback(f"a call on {q.device}, another kind of GPU than the one the kernels handed to "
-                            f"SafeSage are for ({self.rt.arch_name}): ComfyUI's own attention")
+            run_stats.record_call("plan:other_gpu", None, f"a call on {q.device}, another kind of GPU than the "
+                                  f"one the kernels handed to SafeSage are for ({self.rt.arch_name}): ComfyUI's own "
+                                  "attention")
             return None
         if key is None:
             key = self._call_key(n, func)
@@ -254,50 +265,44 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         return self.attend_prepared(p, n, func)
 
     def attend_prepared(self, p: Prepared, n: Normalised, func: Callable | None) -> torch.Tensor | None:
-        """:meth:`attend` for a call whose signature's plan ``p`` is known (this GPU's). Counts the
-        call and its plan (this thread's own counts: no lock)."""
-        c = run_stats.counts()
-        c["attention_calls"] = c.get("attention_calls", 0) + 1
-        plan = p.plan if p.fixed else self._within_budget(p)
-        st = n.run
-        if st is not None and (st.mode in (quality_guard.CHOSEN, quality_guard.EXACT, quality_guard.REPORT) or (
-                st.mode is quality_guard.PROBE and self.quality.recalled(self, st, n.block, p, func))):
-            # the report step runs the choices too; at the measured step, a block an earlier prompt measured
-            plan = self._quality_plan(p, plan, st, n)
-            if plan is None:
-                return None             # ComfyUI's own attention, as the quality guard chose
-        ck = p.count_key if plan is p.plan else f"plan:{plan.kind}"
-        c[ck] = c.get(ck, 0) + 1
-        if plan.kind == "sdpa":
-            if plan.reasons:       # not a guarded kernel because none could run it
-                run_stats.fallback(p.fallback_reason if plan is p.plan else "; ".join(plan.reasons), p.shape_key)
-            return None
+        """The guarded call's story, for a call whose signature's plan ``p`` is known (this GPU's), one
+        stage a line: the plan under the memory budget now → the quality guard's choice → run →
+        verify once per class of call (and the quality guard's measurement on its steps) → record,
+        the one place a call is counted (this thread's own counts: no lock). Returns the result in
+        the caller's form; None where ComfyUI's own attention runs the call (the caller runs it)."""
+        st, plan, also, out = n.run, None, None, None
         try:
-            out, layout = self.executor.run(plan, n)
-        except Exception as e:
-            if is_cuda_error(e):
-                raise          # sticky and asynchronous: nothing can be recomputed after it
-            if is_oom(e):
-                # not the kernel's fault: this call only goes to ComfyUI's (no large temporaries)
-                log.warning("SafeSage: %s ran out of memory: %s", plan.kernel, e)
-                return self._fall_back(p, plan, f"{plan.kernel} ran out of memory (plan: "
-                                       f"{plan.describe(False)})", scope="call")
-            # A sage build that imports but cannot run here (a missing sm90 extension, a build
-            # for another GPU) has launched nothing: recompute, drop the family. Anything else
-            # drops nothing beyond this call: one odd call never disables a kernel.
-            return self._fall_back(p, plan, f"{plan.kernel} raised {type(e).__name__}: {e}",
-                                   scope="family" if is_build_error(e) else "call")
-        if plan.kernel not in p.checked:
-            ck = p.class_keys.get(plan.kernel)
-            if ck is None:
-                ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
-            if self.verifier.needs_probe(ck):
-                out = self._verify(p, plan, ck, n, out, layout)
-            elif self.verifier.mode != "every":
-                p.checked.add(plan.kernel)     # its class has a verdict: not asked again for this signature
-        if st is not None and out is not None and st.mode in (quality_guard.PROBE, quality_guard.REPORT):
-            self.quality.measure(self, st, n.block, p.klass, n, func, plan, n.to_hnd(out, layout))
+            plan = p.plan if p.fixed else self._within_budget(p)           # the plan now
+            if st is not None and (st.mode in _CHOOSING or (
+                    st.mode is quality_guard.PROBE and self.quality.recalled(self, st, n.block, p, func))):
+                plan, also = self._quality_plan(p, plan, st, n)             # the quality guard chooses
+            if plan is not None and plan.kind != "sdpa":
+                try:
+                    out, layout = self.executor.run(plan, n)                # run
+                except Exception as e:
+                    out = self._run_failed(p, plan, e)      # a CUDA error raised, else ComfyUI's own: None
+                if out is not None and plan.kernel not in p.checked:
+                    out = self._verify_once(p, plan, n, out, layout)        # verify once per class
+                if out is not None and st is not None and st.mode in _MEASURED:
+                    self.quality.measure(self, st, n.block, p.klass, n, func, plan, n.to_hnd(out, layout))
+        finally:                                                            # record (a call that raised too)
+            run_stats.record_call(None if plan is None else p.count_key if plan is p.plan else f"plan:{plan.kind}",
+                                  also, _fallback_reason(p, plan) if plan is not None and plan.kind == "sdpa" else "",
+                                  p.shape_key)
         return None if out is None else n.finish(out, layout)
+
+    def _verify_once(self, p: Prepared, plan: Plan, n: Normalised, out: torch.Tensor,
+                     layout: str) -> torch.Tensor | None:
+        """Stage "verify": the first call of each class of call on ``plan``'s family is checked against
+        SDPA (:meth:`_verify`); once its class has a verdict, not asked again for this signature."""
+        ck = p.class_keys.get(plan.kernel)
+        if ck is None:
+            ck = p.class_keys[plan.kernel] = self._class_key(plan.kernel, p.call)
+        if self.verifier.needs_probe(ck):
+            return self._verify(p, plan, ck, n, out, layout)
+        if self.verifier.mode != "every":
+            p.checked.add(plan.kernel)     # its class has a verdict: not asked again for this signature
+        return out
 
     def _quality_context(self, n: Normalised, kwargs: dict) -> None:
         """The quality guard's run and the call's block (quality/guard.py), when a forward of this
@@ -319,26 +324,25 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
         n.run = st
         n.block = self.quality.block_of(st, kwargs.get("transformer_options"))
 
-    def _quality_plan(self, p: Prepared, plan: Plan, st, n: Normalised) -> Plan | None:
-        """The plan for this call after the quality guard's choice: ComfyUI's own (None) at an exact
-        step, or for a block moved there; the moved-to family's plan; else ``plan``."""
+    def _quality_plan(self, p: Prepared, plan: Plan, st, n: Normalised) -> tuple:
+        """The plan for this call after the quality guard's choice, and the guard's counter for the
+        record (None: none): ComfyUI's own (plan None) at an exact step, or for a block moved there;
+        the moved-to family's plan; else ``plan``."""
         if st.mode == quality_guard.EXACT:
-            quality_guard.STATS.bump("exact_calls")
-            return None
+            return None, _EXACT
         fams = st.choices.get((n.block, p.klass))
         if fams is None:
-            return plan
-        quality_guard.STATS.bump("moved_calls")
+            return plan, None
         for i, fam in enumerate(fams):
             if fam == "sdpa":
                 if i:
                     quality_guard.runs_now(st, n.block, p.klass, fam)
-                return None
+                return None, _MOVED
             got = plan if fam == plan.kernel else self._family_plan(p, fam)
             if got is not None:
                 if i:
                     quality_guard.runs_now(st, n.block, p.klass, fam)
-                return got
+                return got, _MOVED
             # the family it moved to cannot run it (failed its first-call check on this class of call,
             # switched off, or outside its limits): the next family under the block's target, else ComfyUI's own
             quality_guard.STATS.bump("moved_fallbacks")
@@ -348,7 +352,7 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
                                "instead", fam, p.shape_key, self.why_unusable(fam, p.call) or "outside its limits",
                                next((f for f in fams[i + 1:] if f != "sdpa"), "ComfyUI's own attention"))
         quality_guard.runs_now(st, n.block, p.klass, "sdpa")
-        return None
+        return None, _MOVED
 
     @staticmethod
     def _call_key(n: Normalised, func: Callable | None) -> tuple:
@@ -384,56 +388,3 @@ class SafeAttention(PlanChoice, BudgetChoice, ContextCalls, ComfyCalls):
                         "guarded with that GPU's kernels", device, rt.device_name, rt.summary())
         self._guards[device.index] = guard
         return guard
-
-
-
-
-    def _verify(self, p: "Prepared", plan: Plan, ck: tuple, n: Normalised, out: torch.Tensor,
-                layout: str) -> torch.Tensor | None:
-        # under ComfyUI's compiler: a first-step-only allocation would be a graph break on step 2
-        try:
-            with compiler.paused():
-                verdict = compare(n.to_hnd(out, layout), n.q, n.k, n.v, n.scale,
-                                  self.kernels[plan.kernel].tolerance)
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            # the check itself found no memory: inconclusive, not a failed prompt; probed again later
-            run_stats.count("probes_inconclusive")
-            run_stats.once(("probe-oom", plan.kernel, p.shape_key), logging.WARNING,
-                        "SafeSage: no memory to check %s on %s now; its output is used and the check runs "
-                        "again at the next call of this kind", plan.kernel, p.shape_key)
-            return out
-        self.verifier.record(ck, verdict)
-        run_stats.count("probes")
-        if verdict.ok:
-            return out
-        run_stats.count("probe_failures")
-        return self._fall_back(p, plan, f"{plan.kernel} failed verification ({verdict.detail})")
-
-    def _fall_back(self, p: "Prepared", plan: Plan, why: str, scope: str = "class") -> None:
-        """This call goes to ComfyUI's own attention (returns None for the caller to run it).
-        ``scope``: "class" (failed probe: the verifier keeps the family off this class of call),
-        "family" (its build cannot run here: off every call in this process), "call" (out of
-        memory, or any other error of one call: this call only)."""
-        fam = plan.kernel
-        if scope == "family":
-            run_stats.disabled(fam, why, self._sites[fam])
-            run_stats.count("kernel_errors")
-        elif scope == "class":
-            run_stats.failed_check(f"{fam} on {self.rt.arch_name} {p.shape_key}", why)
-        if scope == "call":
-            self._forget_run(p)          # under the compiler: this run chooses again at the next call
-            run_stats.count("oom_fallbacks" if "out of memory" in why else "call_fallbacks")
-            run_stats.once(("kernel-call", fam, p.shape_key, why[:80]), logging.WARNING,
-                        "SafeSage: %s for %s; this call is recomputed with ComfyUI's own attention.", why,
-                        p.shape_key)
-        else:
-            run_stats.once(("kernel-failed", fam, p.class_keys.get(fam)), logging.ERROR,
-                        "SafeSage: %s for %s; recomputing with ComfyUI's own attention and not using %s again for "
-                        "%s in this process.", why, p.shape_key, f"{fam} on {self._sites[fam]}",
-                        "any call" if scope == "family" else "this class of call")
-            self._prepared.clear()
-        run_stats.fallback(why, p.shape_key)
-        return None
-

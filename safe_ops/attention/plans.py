@@ -47,6 +47,7 @@ class Ladder:
     tflops: dict | None = None        # auto on a measured GPU: TFLOP/s that price the plans (None: the speed budget
                                       # planned its family, re-planned first; moved families, candidates)
     run: dict = field(default_factory=dict)  # under ComfyUI's compiler: run id -> plan kept for that run
+    fixed: bool = False               # the plan never moves with the budget (a fixed budget, none off CUDA, SDPA first)
 
 
 @dataclass(kw_only=True)
@@ -61,7 +62,6 @@ class Prepared(Ladder):
     func: Any = None                  # ComfyUI's function the signature was planned for (its id is in the key)
     form: Any = None                  # call_forms.CallForm: how the next call of the signature is read
     cuda: bool = False                # a CUDA call (asked whether it is being captured)
-    fixed: bool = False               # the plan never moves with the budget (a fixed budget, none off CUDA, SDPA first)
     checked: set = field(default_factory=set)  # families whose class of this call has a verdict (not asked again)
     never_guarded: bool = False       # no guarded kernel takes this signature under any budget
     fallback_reason: str = ""         # why not, when a guarded kernel was a candidate (counted per call)
@@ -164,7 +164,8 @@ class PlanChoice:
         plan chosen under the budget now (counted: :meth:`_replan`)."""
         budget = self._budget(device)
         plan = self._replan(call, [envelope], budget, None)
-        return Ladder(plan, call, [envelope], {} if budget is None else {budget: plan}, device)
+        return Ladder(plan, call, [envelope], {} if budget is None else {budget: plan}, device,
+                      fixed=budget is None or self.policy.max_extra_bytes is not None)
 
     def _forget_run(self, p: "Prepared") -> None:
         """Under the compiler: the calling thread's run chooses its plans for ``p`` again at the next call
@@ -297,7 +298,7 @@ class PlanChoice:
                                  self._ladder(p.call, self.kernels[family].envelope, p.device) if ok else _NONE)
         if lad is _NONE:
             return None
-        plan = self._within_budget(lad)
+        plan = lad.plan if lad.fixed else self._within_budget(lad)
         return None if plan.kind == "sdpa" else plan
 
     def run_family_rows(self, family: str, n: Normalised, q_rows: torch.Tensor):
@@ -315,7 +316,7 @@ class PlanChoice:
             lad = self._ladder(self._describe(rows), self.kernels[family].envelope, q_rows.device)
             if p is not None:
                 self._remember(p.by_family, key, lad)
-        plan = self._within_budget(lad)
+        plan = lad.plan if lad.fixed else self._within_budget(lad)
         if plan.kind == "sdpa":
             return None
         try:

@@ -100,16 +100,13 @@ class ContextCalls:
         """Whether a guarded kernel may take any call of this override (else every call is ComfyUI's own)."""
         return self._may_guard
 
-    def _special_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
-        if _is_compiling():
-            return self._compiled_call(func, args, kwargs)
-        if INSIDE_KW in kwargs or INSIDE.get():
-            run_stats.count("nested_calls")
-            run_stats.once(("nested",), logging.INFO, "SafeSage: another SafeSage override runs inside this one "
-                        "(through an override chained between them): the outermost decides, the inner one "
-                        "runs what ComfyUI would run")
-            return self._passthrough(func, args, kwargs, compiled=False)
-        return self._captured_call(func, args, kwargs)
+    def _nested_call(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """An eager call inside another SafeSage (the caller asked: :data:`INSIDE_KW` or :data:`INSIDE`)."""
+        run_stats.count("nested_calls")
+        run_stats.once(("nested",), logging.INFO, "SafeSage: another SafeSage override runs inside this one "
+                    "(through an override chained between them): the outermost decides, the inner one "
+                    "runs what ComfyUI would run")
+        return self._passthrough(func, args, kwargs, compiled=False)
 
     def _passthrough(self, func: Callable, args: tuple, kwargs: dict, compiled: bool) -> Any:
         """What ComfyUI would run, and never an unguarded sage / comfy-kitchen kernel: the chained

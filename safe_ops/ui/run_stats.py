@@ -172,10 +172,32 @@ def failed_check(call_class: str, why: str) -> None:
         _bounded(FAILED_CHECKS)
 
 
+def record_call(plan_key: str | None, also: str | None = None, reason: str = "", key: Any = None) -> None:
+    """The attention override's record of one call, made once per call (its last stage): ``attention_calls``,
+    the plan's counter ``plan_key`` (None: none), a counter ``also`` (e.g. a :meth:`Section.key`), and a
+    fallback's ``reason`` for call ``key`` (as :func:`fallback`). The calling thread's own counts, no lock.
+    For an eager caller only: the override asked ``torch.compiler.is_compiling()`` itself, once per call,
+    so this does not ask again (:func:`count` says why a traced caller must not count)."""
+    try:
+        c = _own.counts
+    except AttributeError:
+        c = _new_thread_counts()
+    c["attention_calls"] = c.get("attention_calls", 0) + 1
+    if plan_key is not None:
+        c[plan_key] = c.get(plan_key, 0) + 1
+    if also is not None:
+        c[also] = c.get(also, 0) + 1
+    if reason:
+        _fallback(c, reason, key, logging.WARNING)
+
+
 def fallback(reason: str, key: Any = None, level: int = logging.WARNING) -> None:
     """Count a fallback and its reason (the calling thread's own counts); log it once per
     (reason, key)."""
-    c = counts()
+    _fallback(counts(), reason, key, level)
+
+
+def _fallback(c: dict, reason: str, key: Any, level: int) -> None:
     c["fallbacks"] = c.get("fallbacks", 0) + 1
     rk = (_REASON, reason)
     if rk in c or len(c) < MAX_THREAD_KEYS:
@@ -212,9 +234,13 @@ class Section:
             _SECTIONS[name] = self
 
     def bump(self, counter: str, n: int = 1) -> None:
+        count(self.key(counter), n)
+
+    def key(self, counter: str) -> str:
+        """The store's key of ``counter`` (for :func:`record_call`'s ``also``)."""
         if counter not in self.counters:
             raise KeyError(f"{self.name} has no counter {counter!r}")
-        count(f"{self.name}.{counter}", n)
+        return f"{self.name}.{counter}"
 
     def get(self, counter: str) -> int:
         with _lock:

