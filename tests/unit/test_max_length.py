@@ -41,7 +41,7 @@ def test_grid_is_h3s_17k_plus_5_frames(grid):
 
 
 def test_token_count_is_comfyuis_own_at_1280x720():
-    # bench/max_length counts with SafeSage's copy (its process must not import ComfyUI, which would
+    # bench/length/max_length counts with SafeSage's copy (its process must not import ComfyUI, which would
     # take GPU memory next to the hold); the copy must be ComfyUI's own count on the 17k+5 grid
     cli = pytest.importorskip("comfy.cli_args", reason="no ComfyUI on PYTHONPATH")
     cli.args.cpu = True                        # before comfy.model_management is imported
