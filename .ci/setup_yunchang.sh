@@ -11,21 +11,5 @@
 # Idempotent; a failure exits non-zero with the reason on stderr (the test then skips, saying why).
 set -euo pipefail
 py=${1:?usage: setup_yunchang.sh PYTHON}
-version=0.6.4
-cache_root="${SAFESAGE_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:-/tmp}/.cache}/safesage}"
-dest="$cache_root/yunchang-$version"
-mkdir -p "$cache_root"
-exec 8>"$cache_root/.lock-yunchang"
-if ! flock -n 8; then
-    echo "[setup_yunchang] waiting for $cache_root/.lock-yunchang: another run is installing yunchang there" >&2
-    flock 8
-fi
-if [[ ! -f "$dest/.safesage-complete" ]] || [[ ! -d "$dest/yunchang" ]]; then
-    echo "[setup_yunchang] installing yunchang==$version (--no-deps) into $dest" >&2
-    rm -rf "$dest"
-    PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1 "$py" -m pip install -q --no-deps --no-compile \
-        --target "$dest" "yunchang==$version" 2>&1 | { grep -v "is neither a file nor a directory" || true; } >&2
-    [[ -d "$dest/yunchang" ]] || { echo "[setup_yunchang] pip did not install yunchang into $dest" >&2; exit 1; }
-    touch "$dest/.safesage-complete"
-fi
+dest="$(bash "$(dirname "${BASH_SOURCE[0]}")/pip_target.sh" "$py" yunchang 0.6.4)"
 printf 'export SAFESAGE_YUNCHANG_PATH=%q\n' "$dest"
